@@ -1,0 +1,235 @@
+"""Joining the job: the process group, the device, the seed, and the helpers built on them.
+
+bmtwrap keeps exactly one piece of process-wide state: the :class:`DistContext` made by
+:func:`init_distributed`. Everything else hangs off that object, so there are no global dicts
+to keep in step.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "DistContext",
+    "current",
+    "init_distributed",
+    "is_initialized",
+    "print_rank",
+    "rank",
+    "sum_loss",
+    "synchronize",
+    "world_size",
+]
+
+
+@dataclass(eq=False)
+class DistContext:
+    """What every other part of bmtwrap needs to know about this process.
+
+    Attributes:
+        rank: this process's rank in ``group``.
+        world_size: number of processes in ``group``; parameters are sharded over all of them.
+        local_rank: rank on this host; picks the CUDA device.
+        device: where parameters, gathers and reductions live (``cuda:<local_rank>`` or ``cpu``).
+        group: the process group every collective of the engine runs on.
+        zero_level: default ZeRO level of new blocks (2: keep gathered parameters from forward
+            until backward; 3: release them after forward and gather again in backward).
+        seed: the seed every RNG was seeded with.
+        engine: the engine's run-time state (execution order, pending reductions), created on
+            first use by :mod:`bmtwrap.schedule`; ``None`` until then.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    group: dist.ProcessGroup
+    zero_level: int
+    seed: int
+    engine: Optional[Any] = field(default=None, repr=False)
+
+    @property
+    def backend(self) -> str:
+        return dist.get_backend(self.group)
+
+
+_CONTEXT: Optional[DistContext] = None
+
+
+def is_initialized() -> bool:
+    """Whether :func:`init_distributed` has run in this process."""
+    return _CONTEXT is not None
+
+
+def current() -> DistContext:
+    """The context made by :func:`init_distributed`.
+
+    Raises:
+        RuntimeError: if :func:`init_distributed` has not been called yet.
+    """
+    if _CONTEXT is None:
+        raise RuntimeError(
+            "bmtwrap is not initialised: call bmtwrap.init_distributed() before building blocks "
+            "or calling rank(), world_size(), synchronize() or sum_loss()."
+        )
+    return _CONTEXT
+
+
+def _seed_everything(seed: int) -> None:
+    # The same seed on every rank: modules built with torch's default initialisers then hold the
+    # same values everywhere before they are sharded, and init_parameters() draws the same numbers
+    # a single process would.
+    random.seed(seed)
+    torch.manual_seed(seed)  # seeds every CUDA device too
+    try:
+        import numpy
+
+        numpy.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+def _pick_device(local_rank: int, backend: Optional[str]) -> torch.device:
+    use_cuda = torch.cuda.is_available() if backend is None else backend == "nccl"
+    if not use_cuda:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("backend='nccl' needs CUDA, but torch.cuda.is_available() is False; use backend='gloo'")
+    if local_rank >= torch.cuda.device_count():
+        raise RuntimeError(
+            f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA devices are visible; "
+            "start at most one process per GPU"
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(
+    seed: int = 0,
+    zero_level: int = 3,
+    *,
+    init_method: str = "env://",
+    backend: Optional[str] = None,
+    timeout: Optional[datetime.timedelta] = None,
+    pipe_size: int = -1,
+    tp_size: int = 1,
+    num_micro_batches: Optional[int] = None,
+) -> DistContext:
+    """Join the job and seed every RNG.
+
+    Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) this joins the process group through
+    ``torch.distributed``: NCCL when CUDA is available, gloo otherwise. Without a launcher it
+    makes a world of one, with no environment needed. If ``torch.distributed`` was already
+    initialised by the caller, its default group is used as it is.
+
+    Args:
+        seed: seeds ``random``, NumPy and torch (CPU and CUDA) identically on every rank.
+        zero_level: default for new blocks: 3 frees gathered parameters after each block's
+            forward and gathers them again for backward; 2 keeps them until backward.
+        init_method: passed to ``torch.distributed.init_process_group`` under a launcher.
+        backend: ``"nccl"`` or ``"gloo"``; default: NCCL if CUDA is available, else gloo.
+        timeout: collective timeout, passed through.
+        pipe_size, tp_size, num_micro_batches: accepted for BMTrain compatibility; pipeline and
+            tensor parallelism are not supported.
+
+    Returns:
+        The process's :class:`DistContext`.
+
+    Raises:
+        ValueError: ``zero_level`` not 2 or 3, or an unknown backend.
+        NotImplementedError: ``pipe_size > 1`` or ``tp_size > 1``.
+
+    Example::
+
+        import bmtwrap as bmt
+        bmt.init_distributed(seed=0)
+        bmt.print_rank(f"rank {bmt.rank()} of {bmt.world_size()}")
+    """
+    global _CONTEXT
+    if zero_level not in (2, 3):
+        raise ValueError(f"zero_level must be 2 or 3, got {zero_level!r}")
+    if backend not in (None, "nccl", "gloo"):
+        raise ValueError(f"backend must be 'nccl', 'gloo' or None, got {backend!r}")
+    if pipe_size > 1 or tp_size > 1:
+        raise NotImplementedError(
+            f"pipeline and tensor parallelism are not supported (pipe_size={pipe_size}, tp_size={tp_size}); "
+            "bmtwrap shards parameters over all ranks (ZeRO)"
+        )
+    del num_micro_batches  # BMTrain's pipeline option; nothing to do without pipelines
+    if _CONTEXT is not None:
+        warnings.warn("bmtwrap.init_distributed() was called again; keeping the first context", stacklevel=2)
+        return _CONTEXT
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = _pick_device(local_rank, backend)
+    if not dist.is_initialized():
+        chosen = backend or ("nccl" if device.type == "cuda" else "gloo")
+        kwargs: dict = {} if timeout is None else {"timeout": timeout}
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            if device.type == "cuda":
+                kwargs["device_id"] = device
+            dist.init_process_group(chosen, init_method=init_method, **kwargs)
+        else:
+            # No launcher: a world of one needs no rendezvous, only a store.
+            dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    group = dist.group.WORLD
+    _CONTEXT = DistContext(
+        rank=dist.get_rank(group),
+        world_size=dist.get_world_size(group),
+        local_rank=local_rank,
+        device=device,
+        group=group,
+        zero_level=zero_level,
+        seed=seed,
+    )
+    _seed_everything(seed)
+    return _CONTEXT
+
+
+def rank() -> int:
+    """This process's rank (0 … world_size-1)."""
+    return current().rank
+
+
+def world_size() -> int:
+    """The number of processes parameters are sharded over."""
+    return current().world_size
+
+
+def synchronize() -> None:
+    """Wait for every rank (a barrier), after this rank's queued GPU work is done."""
+    ctx = current()
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    dist.barrier(group=ctx.group)
+
+
+def sum_loss(loss: torch.Tensor, method: str = "mean") -> torch.Tensor:
+    """The loss reduced over ranks, for logging (BMTrain's name; ``method`` "mean" or "sum").
+
+    Returns a new, detached tensor; ``loss`` is left untouched.
+    """
+    if method not in ("mean", "sum"):
+        raise ValueError(f"method must be 'mean' or 'sum', got {method!r}")
+    ctx = current()
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"sum_loss expects a tensor, got {type(loss).__name__}")
+    out = loss.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=ctx.group)
+    if method == "mean":
+        out = out / ctx.world_size
+    return out
+
+
+def print_rank(*args: Any, rank: int = 0, **kwargs: Any) -> None:
+    """``print`` on one rank only (rank 0 by default); a plain ``print`` before initialisation."""
+    if _CONTEXT is None or _CONTEXT.rank == rank:
+        print(*args, **kwargs)

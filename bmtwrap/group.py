@@ -1,0 +1,438 @@
+"""The communication unit: the parameters of one block (or of the root), sharded in flat buffers.
+
+[Note: gathered views]
+A :class:`FlatBuffer` holds parameters of one (dtype, requires_grad): ``local`` is this rank's
+shard and every sharded parameter object is a 1-D view of its piece of it. ``full`` is the
+gathered buffer; its storage is resized to zero bytes while sharded and back to
+``world_size * shard_size`` elements for a gather, so one storage object serves every gather of
+the buffer. Tensors saved for backward that view ``full`` therefore become valid again when the
+buffer is gathered again; that is how a block that is not checkpointed can free its parameters
+after forward (ZeRO-3).
+
+While a group's owner runs, each owning module's ``_parameters[name]`` entry is swapped from the
+sharded parameter to a full-shaped view produced by :class:`_Unshard`, an autograd function whose
+backward receives the full gradients and hands them to the owner for reduce-scattering.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .collectives import Pending, all_gather, reduce_scatter_mean
+from .dist import DistContext
+from .param import DistributedParameter, FlatLayout, LocalPiece, build_layout
+
+__all__ = ["FlatBuffer", "ParamGroup", "ParamRegistry", "ParamSlot", "PendingReduction", "ShardState"]
+
+
+class ShardState(enum.Enum):
+    SHARDED = "sharded"  # only the local shard exists; the full storage has zero bytes
+    GATHERING = "gathering"  # an all-gather into the full storage is in flight
+    GATHERED = "gathered"  # the full storage holds every rank's shard
+
+
+Owner = Tuple[nn.Module, str]
+
+
+@dataclass(eq=False)
+class ParamSlot:
+    """One parameter inside a flat buffer."""
+
+    param: nn.Parameter  # the sharded parameter: a 1-D view of its local piece
+    name: str  # its name inside the group's module, for messages and state dicts
+    shape: torch.Size  # the full (unsharded) shape
+    offset: int  # start in the full buffer
+    piece: LocalPiece  # the part this rank owns
+    owners: Tuple[Owner, ...]  # every (module, attribute) it is registered under
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+class PendingReduction:
+    """A reduce-scatter in flight; :meth:`finish` adds its result to the parameters' ``.grad``."""
+
+    def __init__(self, buffer: "FlatBuffer", pending: Pending, full_grad: torch.Tensor) -> None:
+        self.buffer = buffer
+        self._pending = pending
+        self._full_grad = full_grad  # kept alive until the collective has read it
+
+    def finish(self) -> None:
+        shard = self._pending.wait()
+        self._full_grad = None
+        self.buffer.accumulate_grad(shard)
+
+
+class FlatBuffer:
+    """Parameters of one dtype and one ``requires_grad``, laid out flat (see [Note: flat layout])."""
+
+    def __init__(self, ctx: DistContext, layout: FlatLayout, local: torch.Tensor, slots: List[ParamSlot],
+                 requires_grad: bool, reduce_dtype: Optional[torch.dtype] = None) -> None:
+        self.ctx = ctx
+        self.layout = layout
+        self.local = local
+        self.slots = slots
+        self.requires_grad = requires_grad
+        self.reduce_dtype = reduce_dtype or local.dtype
+        self.full = torch.empty(layout.padded_total, dtype=local.dtype, device=local.device)
+        self.full.untyped_storage().resize_(0)
+        self.state = ShardState.SHARDED
+        self._gather: Optional[Pending] = None
+        self._gathered_version = -1
+        self._grad_flat: Optional[torch.Tensor] = None  # the tensor our assigned .grad views share
+        self._grad_views: List[Optional[torch.Tensor]] = []
+        self._gaps = _padding_ranges(layout)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.local.dtype
+
+    def _version(self) -> int:
+        # In-place updates of the parameters (optimizer steps, loads) bump these counters; a
+        # gathered copy older than them is stale.
+        return self.local._version + sum(slot.param._version for slot in self.slots)
+
+    # --- state transitions -------------------------------------------------------------------
+    def issue_gather(self) -> None:
+        """SHARDED → GATHERING (or a stale GATHERED → GATHERING): start the all-gather."""
+        assert self.state is not ShardState.GATHERING, f"rank {self.ctx.rank}: gather issued twice"
+        storage = self.full.untyped_storage()
+        nbytes = self.layout.padded_total * self.full.element_size()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+        self._gathered_version = self._version()
+        self._gather = all_gather(self.ctx, self.full, self.local)
+        self.state = ShardState.GATHERING
+
+    def wait_gather(self) -> None:
+        """GATHERING → GATHERED."""
+        assert self.state is ShardState.GATHERING, f"rank {self.ctx.rank}: wait on a {self.state.value} buffer"
+        self._gather.wait()
+        self._gather = None
+        self.state = ShardState.GATHERED
+
+    def release(self) -> None:
+        """Any state → SHARDED: free the full storage (after an in-flight gather completes)."""
+        if self.state is ShardState.GATHERING:
+            self.wait_gather()
+        if self.state is ShardState.GATHERED:
+            self.full.untyped_storage().resize_(0)
+            self.state = ShardState.SHARDED
+
+    def prefetch(self) -> None:
+        """Start a gather unless one is in flight or a fresh copy is already there."""
+        if self.state is ShardState.SHARDED or (
+            self.state is ShardState.GATHERED and self._gathered_version != self._version()
+        ):
+            self.issue_gather()
+
+    def ensure_gathered(self) -> None:
+        self.prefetch()
+        if self.state is ShardState.GATHERING:
+            self.wait_gather()
+
+    # --- views and gradients -------------------------------------------------------------------
+    def views(self) -> List[torch.Tensor]:
+        assert self.state is ShardState.GATHERED, f"rank {self.ctx.rank}: views of a {self.state.value} buffer"
+        return [self.full[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots]
+
+    def owns_storage(self, tensor: torch.Tensor) -> bool:
+        return self.state is ShardState.GATHERED and tensor.untyped_storage().data_ptr() == self.full.data_ptr()
+
+    def reduce_grads(self, grads: Sequence[Optional[torch.Tensor]]) -> PendingReduction:
+        """Copy the full gradients into one flat buffer and start its reduce-scatter."""
+        assert self.requires_grad, f"rank {self.ctx.rank}: gradients for a frozen buffer"
+        full_grad = torch.empty(self.layout.padded_total, dtype=self.reduce_dtype, device=self.local.device)
+        for slot, grad in zip(self.slots, grads):
+            target = full_grad[slot.offset : slot.offset + slot.numel]
+            if grad is None:
+                target.zero_()
+            else:
+                target.copy_(grad.reshape(-1))
+        for start, end in self._gaps:
+            full_grad[start:end].zero_()
+        shard = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=self.local.device)
+        return PendingReduction(self, reduce_scatter_mean(self.ctx, shard, full_grad), full_grad)
+
+    def accumulate_grad(self, shard: torch.Tensor) -> None:
+        """Add a reduced gradient shard to the parameters' ``.grad`` (micro-batches accumulate).
+
+        When every ``.grad`` is still the view we assigned last time, one flat add does it all;
+        when all are ``None`` (after ``zero_grad()``), views of ``shard`` are assigned without a
+        copy; otherwise (the user replaced some) each parameter is updated on its own.
+        """
+        if shard.dtype != self.dtype:
+            shard = shard.to(self.dtype)
+        params = [s.param for s in self.slots]
+        if self._grad_flat is not None and all(p.grad is v for p, v in zip(params, self._grad_views)):
+            self._grad_flat.add_(shard)
+            return
+        if all(p.grad is None for p in params):
+            self._grad_flat = shard
+            self._grad_views = [shard[s.piece.shard_start : s.piece.shard_end] for s in self.slots]
+            for p, view in zip(params, self._grad_views):
+                p.grad = view
+            return
+        self._grad_flat = None
+        for slot in self.slots:
+            piece = shard[slot.piece.shard_start : slot.piece.shard_end]
+            if slot.param.grad is None:
+                slot.param.grad = piece.clone()
+            else:
+                slot.param.grad.add_(piece)
+
+
+def _padding_ranges(layout: FlatLayout) -> List[Tuple[int, int]]:
+    ranges = []
+    cursor = 0
+    for offset, numel in zip(layout.offsets, layout.numels):
+        if offset > cursor:
+            ranges.append((cursor, offset))
+        cursor = offset + numel
+    if layout.padded_total > cursor:
+        ranges.append((cursor, layout.padded_total))
+    return ranges
+
+
+class ParamRegistry:
+    """Which flat buffer each sharded parameter lives in (one registry per process)."""
+
+    def __init__(self) -> None:
+        self._entries: Dict[int, Tuple["weakref.ref[nn.Parameter]", FlatBuffer, int]] = {}
+
+    def add(self, buffer: FlatBuffer) -> None:
+        for index, slot in enumerate(buffer.slots):
+            key = id(slot.param)
+            self._entries[key] = (weakref.ref(slot.param, lambda _, k=key: self._entries.pop(k, None)), buffer, index)
+
+    def lookup(self, param: torch.Tensor) -> Optional[Tuple[FlatBuffer, int]]:
+        entry = self._entries.get(id(param))
+        if entry is None or entry[0]() is not param:
+            return None
+        return entry[1], entry[2]
+
+    def is_sharded(self, param: torch.Tensor) -> bool:
+        return self.lookup(param) is not None or isinstance(param, DistributedParameter)
+
+    def buffer_of(self, ctx: DistContext, param: torch.Tensor) -> Tuple[FlatBuffer, int]:
+        """The buffer of a sharded parameter; a lone DistributedParameter gets one of its own."""
+        found = self.lookup(param)
+        if found is not None:
+            return found
+        if not isinstance(param, DistributedParameter) or param._standalone is None:
+            raise ValueError("this parameter is not sharded by bmtwrap")
+        layout, local = param._standalone
+        slot = ParamSlot(param, "", param._original_shape, 0, layout.piece(0, ctx.rank), ())
+        buffer = FlatBuffer(ctx, layout, local, [slot], param.requires_grad)
+        self.add(buffer)
+        return buffer, 0
+
+
+def full_value(ctx: DistContext, registry: ParamRegistry, param: torch.Tensor) -> torch.Tensor:
+    """The whole value of a sharded parameter, gathered (a collective: every rank must call it)."""
+    buffer, index = registry.buffer_of(ctx, param)
+    slot = buffer.slots[index]
+    was = buffer.state
+    buffer.ensure_gathered()
+    value = buffer.full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+    if was is ShardState.SHARDED:
+        buffer.release()
+    return value
+
+
+class _Unshard(torch.autograd.Function):
+    """Full-shaped views of a gathered group; backward hands the full gradients to the group."""
+
+    @staticmethod
+    def forward(ctx, group: "ParamGroup", *params: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        ctx.group = group
+        ctx.set_materialize_grads(False)
+        group.ensure_gathered()
+        views = []
+        for buffer in group.buffers:
+            views.extend(buffer.views())
+        frozen = [v for v, p in zip(views, params) if not p.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return tuple(views)
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[torch.Tensor]) -> Tuple[None, ...]:
+        ctx.group.grads_ready(grads)
+        return (None,) * (1 + len(grads))
+
+
+GradSink = Callable[["ParamGroup", List["PendingReduction"]], None]
+
+
+class ParamGroup:
+    """The flat buffers of one block or of the root, with their swap-in/swap-out of views.
+
+    ``on_reduce`` is called from backward with the reduce-scatters just issued; the owner decides
+    when to wait for them.
+    """
+
+    def __init__(self, name: str, buffers: List[FlatBuffer], on_reduce: GradSink) -> None:
+        self.name = name
+        self.buffers = buffers
+        self.on_reduce = on_reduce
+        self.slots: List[ParamSlot] = [slot for buffer in buffers for slot in buffer.slots]
+
+    @property
+    def gathered(self) -> bool:
+        return any(b.state is not ShardState.SHARDED for b in self.buffers)
+
+    @property
+    def trainable(self) -> bool:
+        return any(b.requires_grad and any(s.param.requires_grad for s in b.slots) for b in self.buffers)
+
+    def prefetch(self) -> None:
+        for buffer in self.buffers:
+            buffer.prefetch()
+
+    def ensure_gathered(self) -> None:
+        self.prefetch()
+        for buffer in self.buffers:
+            if buffer.state is ShardState.GATHERING:
+                buffer.wait_gather()
+
+    def release(self) -> None:
+        for buffer in self.buffers:
+            buffer.release()
+
+    def owns_storage(self, tensor: torch.Tensor) -> bool:
+        return any(buffer.owns_storage(tensor) for buffer in self.buffers)
+
+    def unshard(self) -> List[torch.Tensor]:
+        """Gather (if needed) and return full views, linked to autograd through :class:`_Unshard`."""
+        return list(_Unshard.apply(self, *[slot.param for slot in self.slots]))
+
+    def swap_in(self, views: Sequence[torch.Tensor]) -> None:
+        for slot, view in zip(self.slots, views):
+            for module, name in slot.owners:
+                module._parameters[name] = view
+
+    def swap_out(self) -> None:
+        for slot in self.slots:
+            for module, name in slot.owners:
+                module._parameters[name] = slot.param
+
+    def grads_ready(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        pending = []
+        cursor = 0
+        for buffer in self.buffers:
+            count = len(buffer.slots)
+            chunk = grads[cursor : cursor + count]
+            cursor += count
+            if buffer.requires_grad and any(g is not None for g in chunk):
+                pending.append(buffer.reduce_grads(chunk))
+        self.on_reduce(self, pending)
+
+
+# --- building groups ---------------------------------------------------------------------------
+
+
+def find_owners(module: nn.Module) -> Dict[int, List[Tuple[str, Owner]]]:
+    """Every registration of every parameter under ``module``: id → [(qualified name, (module, attr))]."""
+    owners: Dict[int, List[Tuple[str, Owner]]] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for attr, param in sub._parameters.items():
+            if param is not None:
+                qualified = f"{prefix}.{attr}" if prefix else attr
+                owners.setdefault(id(param), []).append((qualified, (sub, attr)))
+    return owners
+
+
+def _check_devices(ctx: DistContext, named: Sequence[Tuple[str, nn.Parameter]], where: str) -> None:
+    devices: Dict[torch.device, str] = {}
+    for name, param in named:
+        devices.setdefault(param.device, name)
+    if len(devices) > 1:
+        listed = ", ".join(f"'{n}' on {d}" for d, n in devices.items())
+        raise ValueError(f"{where} mixes devices ({listed}); move the module to one device before sharding it")
+    for device, name in devices.items():
+        if device.type == "meta":
+            raise NotImplementedError(
+                f"{where}: parameter '{name}' is on the meta device; materialise it (e.g. module.to_empty(device=...)) "
+                "and initialise it before sharding"
+            )
+        if device.type != "cpu" and device != ctx.device:
+            raise ValueError(
+                f"{where}: parameter '{name}' is on {device}, but this process computes on {ctx.device}; "
+                f"move the module to {ctx.device} or to the CPU first"
+            )
+
+
+def build_group(ctx: DistContext, registry: ParamRegistry, module: nn.Module, name: str,
+                on_reduce: GradSink, reduce_dtype: Optional[torch.dtype] = None,
+                exclude: Iterable[int] = ()) -> ParamGroup:
+    """Shard every parameter under ``module`` (except ids in ``exclude``) into a new group.
+
+    Plain parameters are sliced locally; a lone :class:`DistributedParameter` (already sharded
+    at construction) is gathered once and re-laid into the group's buffers.
+
+    Raises:
+        ValueError: parameters on several devices, or on a device other than this process's
+            (or the CPU); a parameter that another group already owns.
+    """
+    excluded = set(exclude)
+    owners = find_owners(module)
+    named: List[Tuple[str, nn.Parameter]] = []
+    for qualified, param in module.named_parameters():
+        if id(param) in excluded:
+            continue
+        if registry.lookup(param) is not None:
+            raise ValueError(
+                f"parameter '{qualified}' of {name} already belongs to another block; a parameter can be "
+                "sharded by one block only"
+            )
+        named.append((qualified, param))
+    _check_devices(ctx, [(n, p) for n, p in named if not isinstance(p, DistributedParameter)], name)
+
+    by_kind: Dict[Tuple[torch.dtype, bool], List[Tuple[str, nn.Parameter]]] = {}
+    for qualified, param in named:
+        by_kind.setdefault((param.dtype, param.requires_grad), []).append((qualified, param))
+
+    buffers = []
+    for (dtype, requires_grad), members in by_kind.items():
+        shapes = [p._original_shape if isinstance(p, DistributedParameter) else p.shape for _, p in members]
+        layout = build_layout([s.numel() for s in shapes], ctx.world_size, torch.empty((), dtype=dtype).element_size())
+        local = torch.zeros(layout.shard_size, dtype=dtype, device=ctx.device)
+        slots = []
+        for index, ((qualified, param), shape) in enumerate(zip(members, shapes)):
+            piece = layout.piece(index, ctx.rank)
+            if isinstance(param, DistributedParameter):
+                value = full_value(ctx, registry, param)
+            else:
+                value = param.detach()
+            with torch.no_grad():
+                local[piece.shard_start : piece.shard_end].copy_(value.reshape(-1)[piece.param_start : piece.param_end])
+            param.data = local[piece.shard_start : piece.shard_end]
+            if isinstance(param, DistributedParameter):
+                param._standalone = None  # its lone shard is superseded by this buffer
+            regs = tuple(owner for _, owner in owners[id(param)])
+            slots.append(ParamSlot(param, qualified, torch.Size(shape), layout.offsets[index], piece, regs))
+        buffer = FlatBuffer(ctx, layout, local, slots, requires_grad, reduce_dtype if requires_grad else None)
+        registry.add(buffer)
+        buffers.append(buffer)
+    return ParamGroup(name, buffers, on_reduce)
+
+
+def lone_group(ctx: DistContext, registry: ParamRegistry, params: Sequence[Tuple[str, DistributedParameter]],
+               owners: Dict[int, List[Tuple[str, Owner]]], name: str, on_reduce: GradSink) -> ParamGroup:
+    """A group over DistributedParameters that stay in their own buffers (the root of a hand-written model)."""
+    buffers = []
+    for qualified, param in params:
+        buffer, _ = registry.buffer_of(ctx, param)
+        slot = buffer.slots[0]
+        slot.name = qualified
+        slot.owners = tuple(owner for _, owner in owners[id(param)])
+        buffers.append(buffer)
+    return ParamGroup(name, buffers, on_reduce)

@@ -1,0 +1,122 @@
+"""The engine's run-time state: execution order, reductions in flight, the end of backward.
+
+[Note: one step]
+Forward: each block links itself after the block that ran before it (the first time), prefetches
+the block linked after it, gathers its own group and runs. Backward: a block's pre-backward
+hook prefetches the block recorded before it; when its parameters' gradients are ready they are
+reduce-scattered asynchronously, and the oldest reductions beyond ``MAX_PENDING`` are waited for
+(so at most that many full-size gradient buffers live at once). A callback queued on the
+autograd engine runs when the whole backward is done: it waits for every reduction, releases
+whatever is still gathered.
+
+The order only steers prefetching. A step that runs the blocks in another order, skips some, or
+runs one twice still computes the right result: a block that was not prefetched is gathered when
+it runs, and a prefetched block that does not run is released at the end of the step.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Protocol
+
+from torch.autograd import Variable
+
+from .dist import DistContext, current
+from .group import ParamGroup, ParamRegistry, PendingReduction
+
+__all__ = ["Engine", "ExecutionOrder", "Linked", "Participant", "engine"]
+
+# Reduce-scatters in flight before the oldest is waited for: one overlapping the next block's
+# backward, one more of slack.
+MAX_PENDING = 2
+
+
+class Participant(Protocol):
+    """A block or root that takes part in a step."""
+
+    group: ParamGroup
+
+    def backward_done(self) -> None: ...
+
+
+class Linked(Participant, Protocol):
+    """A block, linked to its neighbours in the order it first ran."""
+
+    next_block: Optional["Linked"]
+    prev_block: Optional["Linked"]
+
+
+class ExecutionOrder:
+    """Learns "who runs next / ran before" from the order blocks first run in.
+
+    The links live on the blocks themselves and are set once, the first time a block follows
+    another; a model built later learns its own order in its first forward.
+    """
+
+    def __init__(self) -> None:
+        self._last: Optional[Linked] = None
+
+    def record(self, block: Linked) -> None:
+        last = self._last
+        if last is not None and last is not block:
+            if last.next_block is None:
+                last.next_block = block
+            if block.prev_block is None:
+                block.prev_block = last
+        self._last = block
+
+    def restart(self) -> None:
+        """A new forward begins: the next block recorded has no predecessor."""
+        self._last = None
+
+
+class Engine:
+    """Per-process engine state, reached through :func:`engine`."""
+
+    def __init__(self, ctx: DistContext) -> None:
+        self.ctx = ctx
+        self.registry = ParamRegistry()
+        self.order = ExecutionOrder()
+        self.active_root: Optional[Participant] = None
+        self.block_depth = 0  # > 0 while a block's module runs
+        self._pending: List[PendingReduction] = []
+        self._in_backward: List[Participant] = []  # participants that ran forward with grad
+        self._callback_queued = False
+
+    # --- forward ---------------------------------------------------------------------------------
+    def forward_with_grad(self, participant: Participant) -> None:
+        """``participant`` ran forward with autograd recording; it takes part in the next backward."""
+        if not any(p is participant for p in self._in_backward):
+            self._in_backward.append(participant)
+
+    # --- backward --------------------------------------------------------------------------------
+    def backward_started(self) -> None:
+        """Called by every backward hook; queues the end-of-backward callback once per pass."""
+        if not self._callback_queued:
+            Variable._execution_engine.queue_callback(self._backward_finished)
+            self._callback_queued = True
+
+    def add_reductions(self, pending: List[PendingReduction]) -> None:
+        self.backward_started()
+        self._pending.extend(pending)
+        while len(self._pending) > MAX_PENDING:
+            self._pending.pop(0).finish()
+
+    def finish_reductions(self) -> None:
+        while self._pending:
+            self._pending.pop(0).finish()
+
+    def _backward_finished(self) -> None:
+        self._callback_queued = False
+        self.finish_reductions()
+        participants, self._in_backward = self._in_backward, []
+        for participant in participants:
+            participant.backward_done()
+        self.order.restart()
+
+
+def engine(ctx: Optional[DistContext] = None) -> Engine:
+    """The engine of this process's context (created on first use)."""
+    ctx = ctx or current()
+    if ctx.engine is None:
+        ctx.engine = Engine(ctx)
+    return ctx.engine
