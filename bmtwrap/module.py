@@ -1,0 +1,171 @@
+"""DistributedModule and the root group: the parameters outside every block.
+
+[Note: the root group]
+Parameters outside blocks (embeddings, a final norm, an LM head) are used in ways blocks cannot
+predict: a tied embedding is read by the input lookup and again by the output projection, often
+from another module's code. So they are gathered once, when the outermost
+:class:`DistributedModule` starts its forward, stay visible in full to every module for the whole
+forward, and are released after backward (or at the end of the forward when nothing records
+gradients). Plain ``nn.Parameter`` objects outside blocks are not sharded: they are replicated,
+and their gradients are averaged over ranks as they arrive, as DDP does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .block import Block
+from .collectives import all_reduce_mean
+from .group import ParamGroup, PendingReduction, find_owners, full_value, lone_group
+from .param import DistributedParameter
+from .schedule import Engine, engine
+
+__all__ = ["DistributedModule", "init_parameters", "full_state_dict"]
+
+
+def _block_owned(module: nn.Module) -> set:
+    """ids of parameters that blocks under ``module`` own."""
+    owned = set()
+    for sub in module.modules():
+        if isinstance(sub, Block):
+            owned.update(id(slot.param) for slot in sub.runner.group.slots)
+    return owned
+
+
+class RootRunner:
+    """Gathers a model's root group around its outermost forward (see [Note: the root group])."""
+
+    def __init__(self, module: nn.Module, eng: Engine) -> None:
+        self._engine = eng
+        ctx = eng.ctx
+        owned = _block_owned(module)
+        owners = find_owners(module)
+        lone: List[Tuple[str, DistributedParameter]] = []
+        self.replicated: List[Tuple[str, nn.Parameter]] = []
+        for name, param in module.named_parameters():
+            if id(param) in owned:
+                continue
+            if isinstance(param, DistributedParameter):
+                if param._standalone is not None:  # else a block elsewhere owns it
+                    lone.append((name, param))
+            elif eng.registry.lookup(param) is None:
+                self.replicated.append((name, param))
+        self.group: ParamGroup = lone_group(ctx, eng.registry, lone, owners, f"root of {type(module).__name__}",
+                                            self._reduced)
+        if ctx.world_size > 1:
+            for _, param in self.replicated:
+                if param.requires_grad:
+                    param.register_hook(self._average_replicated)
+
+    def _average_replicated(self, grad: torch.Tensor) -> torch.Tensor:
+        averaged = grad.clone()
+        all_reduce_mean(self._engine.ctx, averaged).wait()
+        return averaged
+
+    def pre_forward(self) -> None:
+        self.group.ensure_gathered()
+        self.group.swap_in(self.group.unshard())
+        if torch.is_grad_enabled() and self.group.trainable:
+            self._engine.forward_with_grad(self)
+
+    def post_forward(self) -> None:
+        self.group.swap_out()
+        if not torch.is_grad_enabled() or not self.group.trainable:
+            self.group.release()
+
+    def _reduced(self, group: ParamGroup, pending: List[PendingReduction]) -> None:
+        self._engine.add_reductions(pending)
+
+    def backward_done(self) -> None:
+        self.group.release()
+
+
+def _root_pre_forward(module: "DistributedModule", args: Any) -> None:
+    eng = engine()
+    if eng.active_root is not None or eng.block_depth > 0:
+        return  # inside the outermost module's forward, or inside a block: nothing to do
+    if module._root is None:
+        module._root = RootRunner(module, eng)
+    eng.active_root = module._root
+    eng.order.restart()
+    module._root.pre_forward()
+
+
+def _root_post_forward(module: "DistributedModule", args: Any, output: Any) -> None:
+    eng = engine()
+    if module._root is None or eng.active_root is not module._root:
+        return
+    eng.active_root = None
+    module._root.post_forward()
+
+
+class DistributedModule(nn.Module):
+    """Base class for hand-written models whose parameters are sharded (BMTrain's name).
+
+    Holds :class:`~bmtwrap.DistributedParameter` objects and blocks like any ``nn.Module``.
+    When the outermost ``DistributedModule`` runs forward, the parameters outside every block
+    are gathered once and every module sees them in full until the forward returns; their
+    gradients are reduce-scattered after backward. Plain ``nn.Parameter`` objects outside blocks
+    stay replicated and get their gradients averaged over ranks.
+
+    Example::
+
+        class GPT(bmt.DistributedModule):
+            def __init__(self):
+                super().__init__()
+                self.embed = bmt.DistributedParameter(torch.empty(vocab, dim), init_method=torch.nn.init.normal_)
+                self.layers = bmt.TransformerBlockList([bmt.Block(Layer(dim)) for _ in range(n)])
+
+            def forward(self, ids):
+                h = self.layers(torch.nn.functional.embedding(ids, self.embed))
+                return h @ self.embed.T  # the tied weight, in full
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._root: Optional[RootRunner] = None
+        self.register_forward_pre_hook(_root_pre_forward)
+        self.register_forward_hook(_root_post_forward, always_call=True)
+
+
+@torch.no_grad()
+def init_parameters(model: nn.Module) -> None:
+    """Fill every :class:`~bmtwrap.DistributedParameter` that has an ``init_method``.
+
+    Each rank draws the full tensor with the same RNG sequence a single process would (module
+    order, then parameter registration order) and keeps its own piece, so the result is
+    bit-identical to initialising the unsharded model in one process with the same seed.
+    """
+    eng = engine()
+    ctx = eng.ctx
+    seen = set()
+    for module in model.modules():
+        for param in module._parameters.values():
+            if not isinstance(param, DistributedParameter) or id(param) in seen or param._init_method is None:
+                continue
+            seen.add(id(param))
+            full = torch.empty(param._original_shape, dtype=param.dtype, device=ctx.device)
+            param._init_method(full)
+            buffer, index = eng.registry.buffer_of(ctx, param)
+            piece = buffer.layout.piece(index, ctx.rank)
+            param.copy_(full.reshape(-1)[piece.param_start : piece.param_end])
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module, *, with_buffers: bool = True) -> Dict[str, torch.Tensor]:
+    """The model's state dict with every sharded parameter gathered to its full shape.
+
+    A collective: every rank must call it; every rank gets the whole result. Keys are the
+    unwrapped model's (a :class:`Block` adds no ``_module.`` level).
+    """
+    eng = engine()
+    out: Dict[str, torch.Tensor] = {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        if isinstance(value, nn.Parameter) and eng.registry.is_sharded(value):
+            out[name] = full_value(eng.ctx, eng.registry, value)
+        elif isinstance(value, nn.Parameter) or with_buffers:
+            out[name] = value.detach().clone()
+    return out

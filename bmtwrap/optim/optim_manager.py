@@ -1,0 +1,197 @@
+"""OptimManager: loss scaling, global gradient clipping and stepping of several optimizers."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Iterable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import ops
+from ..schedule import engine
+
+__all__ = ["OptimManager"]
+
+
+class OptimManager:
+    """Steps optimizers together, with an optional dynamic loss scale (BMTrain's class).
+
+    Gradients are averaged over ranks by the engine, so ``backward(loss)`` with each rank's mean
+    loss over its share of a batch gives the gradient of the mean over the whole batch, exactly
+    as plain ``loss.backward()`` does.
+
+    Args:
+        loss_scale: initial loss scale; ``None`` (default) disables scaling (fp32 or bf16).
+        loss_scale_factor: the scale is divided by this on overflow and multiplied by it after
+            ``loss_scale_steps`` clean steps.
+        loss_scale_steps: clean steps before the scale grows.
+        min_loss_scale, max_loss_scale: bounds of the scale.
+
+    Raises:
+        ValueError: a non-positive scale, a factor of 1, bounds out of order.
+
+    Example::
+
+        manager = bmt.optim.OptimManager(loss_scale=2**15)
+        manager.add_optimizer(optimizer, scheduler)
+        for batch in data:
+            manager.zero_grad()
+            manager.backward(model(batch))
+            manager.clip_grad_norm(optimizer.param_groups, max_norm=1.0)
+            manager.step()
+    """
+
+    def __init__(self, loss_scale: Optional[float] = None, loss_scale_factor: float = 2,
+                 loss_scale_steps: int = 1024, min_loss_scale: float = 1, max_loss_scale: float = float("inf")) -> None:
+        if loss_scale is not None and not loss_scale > 0:
+            raise ValueError(f"loss_scale must be > 0 or None, got {loss_scale!r}")
+        if loss_scale_factor <= 0 or loss_scale_factor == 1:
+            raise ValueError(f"loss_scale_factor must be > 0 and != 1, got {loss_scale_factor!r}")
+        if not 0 < min_loss_scale <= max_loss_scale:
+            raise ValueError(f"need 0 < min_loss_scale <= max_loss_scale, got {min_loss_scale!r} and {max_loss_scale!r}")
+        self.loss_scale_enabled = loss_scale is not None
+        self.loss_scale = float(loss_scale) if loss_scale is not None else 1.0
+        self.loss_scale_factor = loss_scale_factor if loss_scale_factor > 1 else 1 / loss_scale_factor
+        self.loss_scale_steps = loss_scale_steps
+        self.min_loss_scale = min_loss_scale
+        self.max_loss_scale = max_loss_scale
+        self.steps_since_last_scale = 0
+        self.optimizers: List[torch.optim.Optimizer] = []
+        self.lr_schedulers: List[Optional[Any]] = []
+        self._unscaled = False
+
+    def add_optimizer(self, optimizer: torch.optim.Optimizer, lr_scheduler: Optional[Any] = None) -> None:
+        """Manage ``optimizer`` (any ``torch.optim.Optimizer``) and step ``lr_scheduler`` with it."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"add_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.optimizers.append(optimizer)
+        self.lr_schedulers.append(lr_scheduler)
+
+    def _params(self, param_groups: Optional[Iterable[Dict[str, Any]]] = None) -> List[torch.Tensor]:
+        groups = param_groups if param_groups is not None else [g for o in self.optimizers for g in o.param_groups]
+        return [p for group in groups for p in group["params"]]
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.loss_scale if self.loss_scale_enabled else loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` with the loss scale applied."""
+        self.scale_loss(loss).backward()
+        self._unscaled = False
+
+    def zero_grad(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+
+    @torch.no_grad()
+    def _unscale(self) -> None:
+        if self.loss_scale_enabled and not self._unscaled:
+            for p in self._params():
+                if p.grad is not None:
+                    p.grad.div_(self.loss_scale)
+        self._unscaled = True
+
+    def _overflow(self) -> bool:
+        ctx = engine().ctx
+        flag = torch.zeros(1, dtype=torch.uint8, device=ctx.device)
+        for p in self._params():
+            if p.grad is not None and p.grad.numel() > 0:
+                ops.has_inf_nan_into(p.grad.detach().contiguous(), flag)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.group)
+        return bool(flag.item())
+
+    @torch.no_grad()
+    def clip_grad_norm(self, param_groups: Iterable[Dict[str, Any]], max_norm: float, norm_type: float = 2,
+                       eps: float = 1e-6) -> torch.Tensor:
+        """Scale the gradients of ``param_groups`` so that their global norm is at most ``max_norm``.
+
+        The norm is over the whole (unsharded) gradient: shard norms are combined over ranks,
+        replicated parameters counted once. Returns the norm before clipping (unscaled).
+        """
+        self._unscale()
+        eng = engine()
+        ctx = eng.ctx
+        params = [p for p in self._params(param_groups) if p.grad is not None]
+        sharded = [p.grad for p in params if eng.registry.is_sharded(p)]
+        replicated = [p.grad for p in params if not eng.registry.is_sharded(p)]
+        norm_type = float(norm_type)
+        if math.isinf(norm_type):
+            local = torch.zeros((), dtype=torch.float32, device=ctx.device)
+            for g in sharded:
+                if g.numel():
+                    local = torch.maximum(local, g.detach().abs().max().float())
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=ctx.group)
+            for g in replicated:
+                if g.numel():
+                    local = torch.maximum(local, g.detach().abs().max().float())
+            total = local
+        else:
+            def power_sum(grads: List[torch.Tensor]) -> torch.Tensor:
+                acc = torch.zeros((), dtype=torch.float32, device=ctx.device)
+                for g in grads:
+                    acc += g.detach().float().norm(norm_type) ** norm_type
+                return acc
+
+            local = power_sum(sharded)
+            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=ctx.group)
+            total = (local + power_sum(replicated)) ** (1.0 / norm_type)
+        coef = max_norm / (total + eps)
+        if coef < 1:
+            for p in params:
+                p.grad.mul_(coef.to(p.grad.dtype))
+        return total
+
+    def step(self) -> bool:
+        """Step every optimizer and scheduler; with a loss scale, skip the step on overflow.
+
+        Returns:
+            ``True`` if the optimizers stepped, ``False`` if an overflow skipped the step (the
+            scale then shrinks and the gradients are zeroed).
+        """
+        if self.loss_scale_enabled and self._overflow():
+            self._set_scale(max(self.loss_scale / self.loss_scale_factor, self.min_loss_scale))
+            self.zero_grad()
+            self._unscaled = False
+            return False
+        self._unscale()
+        for optimizer, scheduler in zip(self.optimizers, self.lr_schedulers):
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+        self._unscaled = False
+        if self.loss_scale_enabled:
+            self.steps_since_last_scale += 1
+            if self.steps_since_last_scale >= self.loss_scale_steps:
+                self._set_scale(min(self.loss_scale * self.loss_scale_factor, self.max_loss_scale))
+        return True
+
+    def _set_scale(self, scale: float) -> None:
+        self.loss_scale = scale
+        self.steps_since_last_scale = 0
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Optimizers, schedulers and the loss-scale state (this rank's shards)."""
+        return {
+            "optimizers": [o.state_dict() for o in self.optimizers],
+            "lr_schedulers": [s.state_dict() if s is not None else None for s in self.lr_schedulers],
+            "loss_scale": self.loss_scale,
+            "loss_scale_enabled": self.loss_scale_enabled,
+            "steps_since_last_scale": self.steps_since_last_scale,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned, into the same number of optimizers."""
+        if len(state["optimizers"]) != len(self.optimizers):
+            raise ValueError(
+                f"state holds {len(state['optimizers'])} optimizers but this manager has {len(self.optimizers)}; "
+                "add the same optimizers in the same order before loading"
+            )
+        for optimizer, saved in zip(self.optimizers, state["optimizers"]):
+            optimizer.load_state_dict(saved)
+        for scheduler, saved in zip(self.lr_schedulers, state["lr_schedulers"]):
+            if scheduler is not None and saved is not None:
+                scheduler.load_state_dict(saved)
+        self.loss_scale = state["loss_scale"]
+        self.loss_scale_enabled = state["loss_scale_enabled"]
+        self.steps_since_last_scale = state["steps_since_last_scale"]
