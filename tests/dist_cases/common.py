@@ -1,0 +1,43 @@
+"""Shared by the case scripts: run named cases in one process group, report from rank 0."""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from typing import Any, Callable, Dict
+
+import torch
+
+import bmtwrap as bmt
+
+
+def run(cases: Dict[str, Callable[[], Dict[str, Any]]]) -> None:
+    """Run every case on every rank; rank 0 writes {name: result or {"error": text}} to argv[1]."""
+    bmt.init_distributed(seed=0)
+    results: Dict[str, Any] = {}
+    for name, case in cases.items():
+        try:
+            results[name] = case()
+        except Exception:  # reported per case; the pytest side fails that case with this text
+            results[name] = {"error": f"rank {bmt.rank()}: {traceback.format_exc()}"}
+        bmt.synchronize()
+    if bmt.rank() == 0:
+        with open(sys.argv[1], "w") as f:
+            json.dump(results, f, indent=1)
+    # Leaving gloo's threads to interpreter shutdown can abort a process on exit.
+    torch.distributed.destroy_process_group()
+
+
+def max_rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def max_abs_diff(full: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor]) -> Dict[str, Any]:
+    """Largest absolute parameter difference, and whether the key sets agree."""
+    worst, where = 0.0, ""
+    for key, value in ref.items():
+        diff = (full[key].double() - value.double()).abs().max().item() if value.numel() else 0.0
+        if diff > worst:
+            worst, where = diff, key
+    return {"keys_match": sorted(full) == sorted(ref), "param_max_abs": worst, "param_worst": where}

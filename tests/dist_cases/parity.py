@@ -1,0 +1,130 @@
+"""Sharded training of the test GPT against the same model unwrapped, in one process group.
+
+Each case trains both models for 10 steps on the same batch: the reference on the whole batch,
+each rank of the sharded model on its share. Argument 2 (optional): "cpu" (default, fp32) or
+"cuda-bf16" for the GPU run.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Dict
+
+import torch
+
+import bmtwrap as bmt
+from common import max_abs_diff, max_rel, run
+from gpt_model import GPT, ShardedGPT
+
+MODE = sys.argv[2] if len(sys.argv) > 2 else "cpu"
+DEVICE = "cuda" if MODE.startswith("cuda") else "cpu"
+DTYPE = torch.bfloat16 if MODE.endswith("bf16") else torch.float32
+STEPS = 10
+LR, EPS = 1e-3, 1e-6  # see test_parity.py for why these
+
+
+def build(dtype: torch.dtype, **kwargs: Any):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype if dtype != torch.bfloat16 else torch.float32)
+    try:
+        torch.manual_seed(1234)
+        ref = GPT(**{k: v for k, v in kwargs.items() if k in ("triple", "frozen_first_layer")}).to(DEVICE, dtype)
+        torch.manual_seed(1234)
+        if dtype == torch.bfloat16:
+            # Shard a bf16 copy of exactly the reference's values.
+            kwargs = dict(kwargs)
+        model = ShardedGPT(**kwargs)
+    finally:
+        torch.set_default_dtype(previous)
+    if dtype == torch.bfloat16:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data = p.data.to(dtype)
+    return ref, model
+
+
+def train(*, dtype: torch.dtype = DTYPE, batch: int = 12, micro: int = 1, manager: str = "",
+          **kwargs: Any) -> Dict[str, Any]:
+    ref, model = build(dtype, **kwargs)
+    rank, world = bmt.rank(), bmt.world_size()
+    data = torch.randint(0, 64, (batch, 17), generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    make = lambda params: torch.optim.AdamW(params, lr=LR, eps=EPS, weight_decay=0.01)
+    opt_ref, opt = make(ref.parameters()), make(model.parameters())
+    mgr = None
+    if manager:
+        mgr = bmt.optim.OptimManager(loss_scale=1024.0 if manager == "scaled" else None)
+        mgr.add_optimizer(opt)
+    per_micro = batch // micro
+    share = per_micro // world
+    rels = []
+    for _ in range(STEPS):
+        opt_ref.zero_grad()
+        (mgr or opt).zero_grad()
+        ref_loss = 0.0
+        ours = torch.zeros((), dtype=torch.float64, device=DEVICE)
+        for m in range(micro):
+            chunk = data[m * per_micro : (m + 1) * per_micro]
+            loss = ref.loss(chunk) / micro
+            loss.backward()
+            ref_loss += loss.item()
+            mine = model.loss(chunk[rank * share : (rank + 1) * share]) / micro
+            if mgr is not None:
+                mgr.backward(mine)
+            else:
+                mine.backward()
+            ours += bmt.sum_loss(mine).double()
+        if mgr is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+            mgr.clip_grad_norm(opt.param_groups, 0.05)
+            mgr.step()
+        else:
+            opt.step()
+        opt_ref.step()
+        rels.append(max_rel(ours.item(), ref_loss))
+    result = max_abs_diff(bmt.full_state_dict(model), {k: v for k, v in ref.state_dict().items()})
+    result["loss_max_rel"] = max(rels)
+    return result
+
+
+def hidden_states() -> Dict[str, Any]:
+    """return_hidden_states=True: the stacked inputs of every block, and the output."""
+    ref, model = build(DTYPE)
+    h = torch.randn(4, 9, 32, generator=torch.Generator().manual_seed(3)).to(DEVICE, DTYPE)
+    mask = torch.ones(9, 9, dtype=torch.bool, device=DEVICE).tril()
+    out, stacked = model.layers(h, mask=mask, scale=0.9, return_hidden_states=True)
+    inputs, x = [], h
+    for layer in ref.layers:
+        inputs.append(x)
+        x = layer(x, mask=mask, scale=0.9)
+    return {"out_max_abs": (out - x).abs().max().item(),
+            "stacked_max_abs": (stacked - torch.stack(inputs)).abs().max().item(),
+            "stacked_shape": list(stacked.shape)}
+
+
+def eval_no_grad() -> Dict[str, Any]:
+    ref, model = build(DTYPE)
+    ids = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    with torch.no_grad():
+        diff = (model(ids) - ref(ids)).abs().max().item()
+    return {"logits_max_abs": diff}
+
+
+CASES = {
+    "zero3_checkpoint": lambda: train(),
+    "zero3_no_checkpoint": lambda: train(use_checkpoint=False),
+    "zero2_checkpoint": lambda: train(zero_level=2),
+    "zero2_no_checkpoint": lambda: train(zero_level=2, use_checkpoint=False),
+    "accumulate_2": lambda: train(batch=24, micro=2),
+    "accumulate_2_zero2_no_checkpoint": lambda: train(batch=24, micro=2, zero_level=2, use_checkpoint=False),
+    "frozen_layer": lambda: train(frozen_first_layer=True),
+    "three_hidden": lambda: train(triple=True),
+    "optim_manager": lambda: train(manager="plain"),
+    "optim_manager_loss_scale": lambda: train(manager="scaled"),
+    "hidden_states": hidden_states,
+    "eval_no_grad": eval_no_grad,
+}
+if DTYPE == torch.float32:
+    CASES["float64"] = lambda: train(dtype=torch.float64)
+
+if __name__ == "__main__":
+    run(CASES)

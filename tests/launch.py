@@ -1,0 +1,43 @@
+"""Run a multi-process case script once under torchrun and return what rank 0 reported.
+
+A case script starts one process group and runs many cases in it (cheap on 2 CPU cores); it
+writes a JSON object {case name: result} to the path given as its only argument.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Dict
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cases(script: str, world_size: int, *args: str, timeout: int = 900) -> Dict[str, Any]:
+    """Launch ``tests/dist_cases/<script>`` on ``world_size`` processes; return rank 0's results."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}",
+            "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+            str(TESTS / "dist_cases" / script), str(out), *args,
+        ]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                   PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")]))
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0 or not out.exists():
+            tail = (proc.stdout + proc.stderr)[-6000:]
+            raise AssertionError(f"{script} at world size {world_size} failed (exit {proc.returncode}):\n{tail}")
+        return json.loads(out.read_text())
