@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
@@ -148,7 +149,8 @@ class BlockRunner:
         views = self.group.unshard()
         self.group.swap_in(views)
         try:
-            return call(*args, **kwargs)
+            with record_function(f"bmtwrap.forward:{self.name}"):
+                return call(*args, **kwargs)
         finally:
             self.group.swap_out()
 
@@ -195,6 +197,12 @@ class BlockRunner:
         self._awaiting_inputs = 0
         self._awaiting_params = 0
         self.group.release()
+
+
+def _unique_name(module: nn.Module) -> str:
+    eng = engine()
+    eng.blocks_built += 1
+    return f"{type(module).__name__}#{eng.blocks_built - 1}"
 
 
 class _SavedParameterView:
@@ -255,7 +263,7 @@ class Block(nn.Module):
             raise TypeError("Block got a Block; a module is wrapped once")
         super().__init__()
         self._module = inner_module
-        self._runner = BlockRunner(inner_module, type(inner_module).__name__, use_checkpoint=use_checkpoint,
+        self._runner = BlockRunner(inner_module, _unique_name(inner_module), use_checkpoint=use_checkpoint,
                                    zero_level=zero_level, reduce_dtype=reduce_dtype)
         self._owner_list: Optional[str] = None  # set by the TransformerBlockList that holds it
         self.register_state_dict_post_hook(_strip_module_prefix)

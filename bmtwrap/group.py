@@ -23,6 +23,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from .collectives import Pending, all_gather, reduce_scatter_mean
 from .dist import DistContext
@@ -74,8 +75,9 @@ class FlatBuffer:
     """Parameters of one dtype and one ``requires_grad``, laid out flat (see [Note: flat layout])."""
 
     def __init__(self, ctx: DistContext, layout: FlatLayout, local: torch.Tensor, slots: List[ParamSlot],
-                 requires_grad: bool, reduce_dtype: Optional[torch.dtype] = None) -> None:
+                 requires_grad: bool, reduce_dtype: Optional[torch.dtype] = None, label: str = "") -> None:
         self.ctx = ctx
+        self.label = label  # names this buffer's collectives in profiler traces
         self.layout = layout
         self.local = local
         self.slots = slots
@@ -108,7 +110,8 @@ class FlatBuffer:
         if storage.nbytes() != nbytes:
             storage.resize_(nbytes)
         self._gathered_version = self._version()
-        self._gather = all_gather(self.ctx, self.full, self.local)
+        with record_function(f"bmtwrap.all_gather:{self.label}"):
+            self._gather = all_gather(self.ctx, self.full, self.local)
         self.state = ShardState.GATHERING
 
     def wait_gather(self) -> None:
@@ -159,7 +162,9 @@ class FlatBuffer:
         for start, end in self._gaps:
             full_grad[start:end].zero_()
         shard = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=self.local.device)
-        return PendingReduction(self, reduce_scatter_mean(self.ctx, shard, full_grad), full_grad)
+        with record_function(f"bmtwrap.reduce_scatter:{self.label}"):
+            pending = reduce_scatter_mean(self.ctx, shard, full_grad)
+        return PendingReduction(self, pending, full_grad)
 
     def accumulate_grad(self, shard: torch.Tensor) -> None:
         """Add a reduced gradient shard to the parameters' ``.grad`` (micro-batches accumulate).
@@ -230,7 +235,7 @@ class ParamRegistry:
             raise ValueError("this parameter is not sharded by bmtwrap")
         layout, local = param._standalone
         slot = ParamSlot(param, "", param._original_shape, 0, layout.piece(0, ctx.rank), ())
-        buffer = FlatBuffer(ctx, layout, local, [slot], param.requires_grad)
+        buffer = FlatBuffer(ctx, layout, local, [slot], param.requires_grad, label="root")
         self.add(buffer)
         return buffer, 0
 
@@ -419,7 +424,8 @@ def build_group(ctx: DistContext, registry: ParamRegistry, module: nn.Module, na
                 param._standalone = None  # its lone shard is superseded by this buffer
             regs = tuple(owner for _, owner in owners[id(param)])
             slots.append(ParamSlot(param, qualified, torch.Size(shape), layout.offsets[index], piece, regs))
-        buffer = FlatBuffer(ctx, layout, local, slots, requires_grad, reduce_dtype if requires_grad else None)
+        buffer = FlatBuffer(ctx, layout, local, slots, requires_grad, reduce_dtype if requires_grad else None,
+                            label=name)
         registry.add(buffer)
         buffers.append(buffer)
     return ParamGroup(name, buffers, on_reduce)

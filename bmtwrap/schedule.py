@@ -78,6 +78,7 @@ class Engine:
         self.order = ExecutionOrder()
         self.active_root: Optional[Participant] = None
         self.block_depth = 0  # > 0 while a block's module runs
+        self.blocks_built = 0  # numbers block names, for messages and traces
         self._pending: List[PendingReduction] = []
         self._in_backward: List[Participant] = []  # participants that ran forward with grad
         self._callback_queued = False
