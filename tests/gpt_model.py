@@ -63,17 +63,20 @@ class GPT(nn.Module):
 
     def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, layers: int = 3, seq: int = 16, *,
                  sharded: bool = False, use_checkpoint: bool = True, zero_level: int = 3,
-                 triple: bool = False, frozen_first_layer: bool = False) -> None:
+                 triple: bool = False, frozen_first_layer: bool = False, dtype: Optional[torch.dtype] = None,
+                 device: Optional[str] = None) -> None:
         super().__init__()
         self.triple = triple
-        embed = torch.randn(vocab, dim) * 0.02
-        pos = torch.randn(seq, dim) * 0.02
-        gate = torch.ones(1)  # one element: smaller than the world, so some ranks own none of it
+        # Values are drawn in fp32 on the CPU, then cast and moved: the same numbers for every dtype and
+        # device, before anything is sharded.
+        embed = (torch.randn(vocab, dim) * 0.02).to(device, dtype)
+        pos = (torch.randn(seq, dim) * 0.02).to(device, dtype)
+        gate = torch.ones(1).to(device, dtype)  # one element: smaller than the world, so some ranks own none of it
         layer_cls = TripleLayer if triple else Layer
-        stack = [layer_cls(dim, heads) for _ in range(layers)]
+        stack = [layer_cls(dim, heads).to(device, dtype) for _ in range(layers)]
         if frozen_first_layer:
             stack[0].requires_grad_(False)
-        self.ln_f = nn.LayerNorm(dim)
+        self.ln_f = nn.LayerNorm(dim).to(device, dtype)
         if sharded:
             self.embed = bmt.DistributedParameter(embed)
             self.pos = bmt.DistributedParameter(pos)

@@ -34,10 +34,15 @@ def max_rel(a: float, b: float) -> float:
 
 
 def max_abs_diff(full: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor]) -> Dict[str, Any]:
-    """Largest absolute parameter difference, and whether the key sets agree."""
-    worst, where = 0.0, ""
+    """Largest parameter difference (absolute, and relative to the tensor's largest value)."""
+    worst, where, worst_rel = 0.0, "", 0.0
     for key, value in ref.items():
-        diff = (full[key].double() - value.double()).abs().max().item() if value.numel() else 0.0
+        if not value.numel():
+            continue
+        diff = (full[key].double() - value.double()).abs().max().item()
+        scale = value.double().abs().max().item()
+        worst_rel = max(worst_rel, diff / max(scale, 1e-30))
         if diff > worst:
             worst, where = diff, key
-    return {"keys_match": sorted(full) == sorted(ref), "param_max_abs": worst, "param_worst": where}
+    return {"keys_match": sorted(full) == sorted(ref), "param_max_abs": worst, "param_worst": where,
+            "param_max_rel_scale": worst_rel}

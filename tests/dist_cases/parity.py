@@ -24,22 +24,11 @@ LR, EPS = 1e-3, 1e-6  # see test_parity.py for why these
 
 
 def build(dtype: torch.dtype, **kwargs: Any):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype if dtype != torch.bfloat16 else torch.float32)
-    try:
-        torch.manual_seed(1234)
-        ref = GPT(**{k: v for k, v in kwargs.items() if k in ("triple", "frozen_first_layer")}).to(DEVICE, dtype)
-        torch.manual_seed(1234)
-        if dtype == torch.bfloat16:
-            # Shard a bf16 copy of exactly the reference's values.
-            kwargs = dict(kwargs)
-        model = ShardedGPT(**kwargs)
-    finally:
-        torch.set_default_dtype(previous)
-    if dtype == torch.bfloat16:
-        with torch.no_grad():
-            for p in model.parameters():
-                p.data = p.data.to(dtype)
+    """The reference and the sharded model, with identical initial values in ``dtype``."""
+    torch.manual_seed(1234)
+    ref = GPT(dtype=dtype, device=DEVICE, **{k: v for k, v in kwargs.items() if k in ("triple", "frozen_first_layer")})
+    torch.manual_seed(1234)
+    model = ShardedGPT(dtype=dtype, device=DEVICE, **kwargs)
     return ref, model
 
 

@@ -1,0 +1,34 @@
+"""GPU tests: bf16 training on 2 GPUs over NCCL against the unwrapped model on one GPU.
+
+Tolerances (bf16 keeps 8 significant bits): losses within 2% relative at every step; every
+parameter within 4 bf16 steps (4 x 2^-7) of its tensor's largest magnitude. Averaging over
+ranks rounds differently from one process, and a parameter near a rounding boundary of bf16
+then lands one step away; a fault (a lost or doubled gradient) moves weights by far more over
+10 steps of lr 1e-3 and also shows in the loss.
+"""
+
+import pytest
+import torch
+
+from launch import run_cases
+from test_parity import TRAINING
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_gpus() < 2, reason="needs 2 CUDA GPUs (sharding over NCCL)")
+def test_bf16_training_matches_unwrapped_on_two_gpus():
+    results = run_cases("parity.py", 2, "cuda-bf16")
+    failures = []
+    for name in TRAINING + ["hidden_states", "eval_no_grad"]:
+        r = results[name]
+        if "error" in r:
+            failures.append(f"{name}: {r['error']}")
+        elif name in TRAINING and (r["loss_max_rel"] > 2e-2 or r["param_max_rel_scale"] > 4 * 2**-7):
+            failures.append(f"{name}: loss {r['loss_max_rel']:.3g}, params {r['param_max_rel_scale']:.3g} "
+                            f"({r['param_worst']})")
+    print({name: {k: v for k, v in r.items() if k != "error"} for name, r in results.items()})
+    assert not failures, "\n".join(failures)
