@@ -26,7 +26,25 @@ def _free_port() -> int:
 
 
 def run_cases(script: str, world_size: int, *args: str, timeout: int = 900) -> Dict[str, Any]:
-    """Launch ``tests/dist_cases/<script>`` on ``world_size`` processes; return rank 0's results."""
+    """Launch ``tests/dist_cases/<script>`` on ``world_size`` processes; return rank 0's results.
+
+    The rendezvous port is picked free and then released, so another job may take it first;
+    a launch that fails that way is tried again on a new port.
+    """
+    for attempt in range(3):
+        try:
+            return _run_once(script, world_size, args, timeout)
+        except _PortTaken:
+            if attempt == 2:
+                raise AssertionError(f"{script}: no free rendezvous port after 3 tries") from None
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(Exception):
+    pass
+
+
+def _run_once(script: str, world_size: int, args: tuple, timeout: int) -> Dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [
@@ -37,6 +55,8 @@ def run_cases(script: str, world_size: int, *args: str, timeout: int = 900) -> D
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                    PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")]))
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0 and "address already in use" in (proc.stdout + proc.stderr).lower():
+            raise _PortTaken()
         if proc.returncode != 0 or not out.exists():
             tail = (proc.stdout + proc.stderr)[-6000:]
             raise AssertionError(f"{script} at world size {world_size} failed (exit {proc.returncode}):\n{tail}")
