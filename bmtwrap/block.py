@@ -16,7 +16,7 @@ backward: pre-backward (hook on the outputs) → gather own group, prefetch the 
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -86,10 +86,13 @@ class BlockRunner:
         zero_level: 3 releases gathered parameters after forward, 2 keeps them until backward;
             ``None`` takes :func:`bmtwrap.init_distributed`'s default.
         reduce_dtype: dtype gradients are reduced in; default: the parameters' dtype.
+        exclude: ids of parameters under ``module`` that another group owns.
+        allow_meta: accept parameters on the meta device (their shards start uninitialised).
     """
 
     def __init__(self, module: nn.Module, name: str, *, use_checkpoint: bool = True,
-                 zero_level: Optional[int] = None, reduce_dtype: Optional[torch.dtype] = None) -> None:
+                 zero_level: Optional[int] = None, reduce_dtype: Optional[torch.dtype] = None,
+                 exclude: Iterable[int] = (), allow_meta: bool = False) -> None:
         ctx = _dist.current()
         if zero_level is None:
             zero_level = ctx.zero_level
@@ -99,7 +102,10 @@ class BlockRunner:
         self.use_checkpoint = use_checkpoint
         self.zero_level = zero_level
         self._engine: Engine = engine(ctx)
-        self.group: ParamGroup = build_group(ctx, self._engine.registry, module, name, self._reduced, reduce_dtype)
+        self.group: ParamGroup = build_group(ctx, self._engine.registry, module, name, self._reduced, reduce_dtype,
+                                             exclude=exclude, allow_meta=allow_meta)
+        # Told the bytes a recomputation kept alive (checkpoint="auto" measures with it); CUDA only.
+        self.activation_probe: Optional[Callable[["BlockRunner", int], None]] = None
         self.next_block: Optional[BlockRunner] = None  # execution-order links (schedule.ExecutionOrder)
         self.prev_block: Optional[BlockRunner] = None
         # Backward events still expected from the forwards since the last backward (see _maybe_release).
@@ -150,9 +156,19 @@ class BlockRunner:
         self.group.swap_in(views)
         try:
             with record_function(f"bmtwrap.forward:{self.name}"):
+                if self.activation_probe is not None and torch._C._current_graph_task_id() != -1:
+                    return self._measured(call, args, kwargs)
                 return call(*args, **kwargs)
         finally:
             self.group.swap_out()
+
+    def _measured(self, call: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        # Inside backward this is the recomputation: what it allocates and keeps is the block's activations.
+        device = self._engine.ctx.device
+        before = torch.cuda.memory_allocated(device)
+        out = call(*args, **kwargs)
+        self.activation_probe(self, torch.cuda.memory_allocated(device) - before)
+        return out
 
     # Saved-tensor hooks for blocks that are not checkpointed under ZeRO-3: a saved view of the
     # gathered parameters is remembered with its group, and the group is gathered again into the

@@ -91,6 +91,9 @@ class FlatBuffer:
         self._grad_flat: Optional[torch.Tensor] = None  # the tensor our assigned .grad views share
         self._grad_views: List[Optional[torch.Tensor]] = []
         self._gaps = _padding_ranges(layout)
+        # False while the shard holds no values yet (a model built on the meta device); set by
+        # materialisation or loading. Gathering garbage would train on it silently.
+        self.initialized = True
 
     @property
     def dtype(self) -> torch.dtype:
@@ -105,6 +108,12 @@ class FlatBuffer:
     def issue_gather(self) -> None:
         """SHARDED → GATHERING (or a stale GATHERED → GATHERING): start the all-gather."""
         assert self.state is not ShardState.GATHERING, f"rank {self.ctx.rank}: gather issued twice"
+        if not self.initialized:
+            raise RuntimeError(
+                f"the parameters of {self.label} were built on the meta device and hold no values yet: "
+                "call bmtwrap.materialize(model) or load a checkpoint before running the model"
+            )
+        self.check_parameters()
         storage = self.full.untyped_storage()
         nbytes = self.layout.padded_total * self.full.element_size()
         if storage.nbytes() != nbytes:
@@ -113,6 +122,16 @@ class FlatBuffer:
         with record_function(f"bmtwrap.all_gather:{self.label}"):
             self._gather = all_gather(self.ctx, self.full, self.local)
         self.state = ShardState.GATHERING
+
+    def check_parameters(self) -> None:
+        """Every parameter must still be a view of this buffer's shard."""
+        base = self.local.untyped_storage().data_ptr()
+        for slot in self.slots:
+            if slot.param.numel() and slot.param.untyped_storage().data_ptr() != base:
+                raise RuntimeError(
+                    f"parameter '{slot.name}' of {self.label} was replaced after sharding (by model.to(dtype), "
+                    "model.half() or an assignment to .data?); cast or move the model before sharding it"
+                )
 
     def wait_gather(self) -> None:
         """GATHERING → GATHERED."""
@@ -355,7 +374,7 @@ def find_owners(module: nn.Module) -> Dict[int, List[Tuple[str, Owner]]]:
     return owners
 
 
-def _check_devices(ctx: DistContext, named: Sequence[Tuple[str, nn.Parameter]], where: str) -> None:
+def _check_devices(ctx: DistContext, named: Sequence[Tuple[str, nn.Parameter]], where: str, allow_meta: bool) -> None:
     devices: Dict[torch.device, str] = {}
     for name, param in named:
         devices.setdefault(param.device, name)
@@ -363,12 +382,12 @@ def _check_devices(ctx: DistContext, named: Sequence[Tuple[str, nn.Parameter]], 
         listed = ", ".join(f"'{n}' on {d}" for d, n in devices.items())
         raise ValueError(f"{where} mixes devices ({listed}); move the module to one device before sharding it")
     for device, name in devices.items():
-        if device.type == "meta":
+        if device.type == "meta" and not allow_meta:
             raise NotImplementedError(
                 f"{where}: parameter '{name}' is on the meta device; materialise it (e.g. module.to_empty(device=...)) "
                 "and initialise it before sharding"
             )
-        if device.type != "cpu" and device != ctx.device:
+        if device.type not in ("cpu", "meta") and device != ctx.device:
             raise ValueError(
                 f"{where}: parameter '{name}' is on {device}, but this process computes on {ctx.device}; "
                 f"move the module to {ctx.device} or to the CPU first"
@@ -377,15 +396,19 @@ def _check_devices(ctx: DistContext, named: Sequence[Tuple[str, nn.Parameter]], 
 
 def build_group(ctx: DistContext, registry: ParamRegistry, module: nn.Module, name: str,
                 on_reduce: GradSink, reduce_dtype: Optional[torch.dtype] = None,
-                exclude: Iterable[int] = ()) -> ParamGroup:
+                exclude: Iterable[int] = (), allow_meta: bool = False) -> ParamGroup:
     """Shard every parameter under ``module`` (except ids in ``exclude``) into a new group.
 
     Plain parameters are sliced locally; a lone :class:`DistributedParameter` (already sharded
     at construction) is gathered once and re-laid into the group's buffers.
 
+    With ``allow_meta``, parameters on the meta device get uninitialised shards, to be filled by
+    materialisation or loading.
+
     Raises:
         ValueError: parameters on several devices, or on a device other than this process's
             (or the CPU); a parameter that another group already owns.
+        NotImplementedError: parameters on the meta device without ``allow_meta``.
     """
     excluded = set(exclude)
     owners = find_owners(module)
@@ -399,7 +422,8 @@ def build_group(ctx: DistContext, registry: ParamRegistry, module: nn.Module, na
                 "sharded by one block only"
             )
         named.append((qualified, param))
-    _check_devices(ctx, [(n, p) for n, p in named if not isinstance(p, DistributedParameter)], name)
+    _check_devices(ctx, [(n, p) for n, p in named if not isinstance(p, DistributedParameter)], name, allow_meta)
+    on_meta = any(p.device.type == "meta" for _, p in named)
 
     by_kind: Dict[Tuple[torch.dtype, bool], List[Tuple[str, nn.Parameter]]] = {}
     for qualified, param in named:
@@ -409,23 +433,31 @@ def build_group(ctx: DistContext, registry: ParamRegistry, module: nn.Module, na
     for (dtype, requires_grad), members in by_kind.items():
         shapes = [p._original_shape if isinstance(p, DistributedParameter) else p.shape for _, p in members]
         layout = build_layout([s.numel() for s in shapes], ctx.world_size, torch.empty((), dtype=dtype).element_size())
-        local = torch.zeros(layout.shard_size, dtype=dtype, device=ctx.device)
+        local = (torch.empty if on_meta else torch.zeros)(layout.shard_size, dtype=dtype, device=ctx.device)
         slots = []
         for index, ((qualified, param), shape) in enumerate(zip(members, shapes)):
             piece = layout.piece(index, ctx.rank)
-            if isinstance(param, DistributedParameter):
-                value = full_value(ctx, registry, param)
+            if not on_meta:
+                if isinstance(param, DistributedParameter):
+                    value = full_value(ctx, registry, param)
+                else:
+                    value = param.detach()
+                with torch.no_grad():
+                    local[piece.shard_start : piece.shard_end].copy_(
+                        value.reshape(-1)[piece.param_start : piece.param_end])
+            view = local[piece.shard_start : piece.shard_end]
+            if param.is_meta:
+                # .data cannot turn a meta tensor into a real one; swapping keeps the object (and ties).
+                torch.utils.swap_tensors(param, nn.Parameter(view, requires_grad=param.requires_grad))
             else:
-                value = param.detach()
-            with torch.no_grad():
-                local[piece.shard_start : piece.shard_end].copy_(value.reshape(-1)[piece.param_start : piece.param_end])
-            param.data = local[piece.shard_start : piece.shard_end]
+                param.data = view
             if isinstance(param, DistributedParameter):
                 param._standalone = None  # its lone shard is superseded by this buffer
             regs = tuple(owner for _, owner in owners[id(param)])
             slots.append(ParamSlot(param, qualified, torch.Size(shape), layout.offsets[index], piece, regs))
         buffer = FlatBuffer(ctx, layout, local, slots, requires_grad, reduce_dtype if requires_grad else None,
                             label=name)
+        buffer.initialized = not on_meta
         registry.add(buffer)
         buffers.append(buffer)
     return ParamGroup(name, buffers, on_reduce)

@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 from .block import Block
-from .collectives import all_reduce_mean
+from .collectives import all_gather, all_reduce_mean
 from .group import ParamGroup, PendingReduction, find_owners, full_value, lone_group
 from .param import DistributedParameter
 from .schedule import Engine, engine
 
-__all__ = ["DistributedModule", "init_parameters", "full_state_dict"]
+__all__ = ["DistributedModule", "full_grad_dict", "full_state_dict", "init_parameters"]
 
 
 def _block_owned(module: nn.Module) -> set:
@@ -36,15 +36,27 @@ def _block_owned(module: nn.Module) -> set:
 
 
 class RootRunner:
-    """Gathers a model's root group around its outermost forward (see [Note: the root group])."""
+    """Gathers a model's root group around its outermost forward (see [Note: the root group]).
 
-    def __init__(self, module: nn.Module, eng: Engine) -> None:
+    ``replicated`` parameters are not sharded; their gradients are averaged over ranks as they
+    arrive.
+    """
+
+    def __init__(self, eng: Engine, group: ParamGroup, replicated: List[nn.Parameter]) -> None:
         self._engine = eng
-        ctx = eng.ctx
+        self.group = group
+        group.on_reduce = self._reduced
+        if eng.ctx.world_size > 1:
+            for param in replicated:
+                if param.requires_grad:
+                    param.register_hook(self._average_replicated)
+
+    @classmethod
+    def of_distributed_module(cls, module: nn.Module, eng: Engine) -> "RootRunner":
+        """The root of a hand-written model: its lone DistributedParameters and plain parameters."""
         owned = _block_owned(module)
-        owners = find_owners(module)
         lone: List[Tuple[str, DistributedParameter]] = []
-        self.replicated: List[Tuple[str, nn.Parameter]] = []
+        replicated: List[nn.Parameter] = []
         for name, param in module.named_parameters():
             if id(param) in owned:
                 continue
@@ -52,26 +64,34 @@ class RootRunner:
                 if param._standalone is not None:  # else a block elsewhere owns it
                     lone.append((name, param))
             elif eng.registry.lookup(param) is None:
-                self.replicated.append((name, param))
-        self.group: ParamGroup = lone_group(ctx, eng.registry, lone, owners, f"root of {type(module).__name__}",
-                                            self._reduced)
-        if ctx.world_size > 1:
-            for _, param in self.replicated:
-                if param.requires_grad:
-                    param.register_hook(self._average_replicated)
+                replicated.append(param)
+        group = lone_group(eng.ctx, eng.registry, lone, find_owners(module), f"root of {type(module).__name__}",
+                           lambda g, p: None)
+        return cls(eng, group, replicated)
 
     def _average_replicated(self, grad: torch.Tensor) -> torch.Tensor:
         averaged = grad.clone()
         all_reduce_mean(self._engine.ctx, averaged).wait()
         return averaged
 
-    def pre_forward(self) -> None:
+    def enter(self) -> bool:
+        """Start of a forward: gather and show full parameters, unless a root or block is running."""
+        eng = self._engine
+        if eng.active_root is not None or eng.block_depth > 0:
+            return False
+        eng.active_root = self
+        eng.order.restart()
         self.group.ensure_gathered()
         self.group.swap_in(self.group.unshard())
         if torch.is_grad_enabled() and self.group.trainable:
-            self._engine.forward_with_grad(self)
+            eng.forward_with_grad(self)
+        return True
 
-    def post_forward(self) -> None:
+    def exit(self) -> None:
+        """End of the forward this root entered."""
+        if self._engine.active_root is not self:
+            return
+        self._engine.active_root = None
         self.group.swap_out()
         if not torch.is_grad_enabled() or not self.group.trainable:
             self.group.release()
@@ -85,21 +105,16 @@ class RootRunner:
 
 def _root_pre_forward(module: "DistributedModule", args: Any) -> None:
     eng = engine()
-    if eng.active_root is not None or eng.block_depth > 0:
-        return  # inside the outermost module's forward, or inside a block: nothing to do
     if module._root is None:
-        module._root = RootRunner(module, eng)
-    eng.active_root = module._root
-    eng.order.restart()
-    module._root.pre_forward()
+        if eng.active_root is not None or eng.block_depth > 0:
+            return
+        module._root = RootRunner.of_distributed_module(module, eng)
+    module._root.enter()
 
 
 def _root_post_forward(module: "DistributedModule", args: Any, output: Any) -> None:
-    eng = engine()
-    if module._root is None or eng.active_root is not module._root:
-        return
-    eng.active_root = None
-    module._root.post_forward()
+    if module._root is not None:
+        module._root.exit()
 
 
 class DistributedModule(nn.Module):
@@ -168,4 +183,34 @@ def full_state_dict(model: nn.Module, *, with_buffers: bool = True) -> Dict[str,
             out[name] = full_value(eng.ctx, eng.registry, value)
         elif isinstance(value, nn.Parameter) or with_buffers:
             out[name] = value.detach().clone()
+    return out
+
+
+@torch.no_grad()
+def full_grad_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """Every parameter's gradient at its full shape (zeros where no rank holds one).
+
+    A collective: every rank must call it; every rank gets the whole result. Keys are parameter
+    names as the unwrapped model has them.
+    """
+    eng = engine()
+    ctx = eng.ctx
+    gathered: Dict[int, torch.Tensor] = {}
+    out: Dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        key = ".".join(part for part in name.split(".") if part != "_module")
+        if not eng.registry.is_sharded(param):
+            out[key] = param.grad.detach().clone() if param.grad is not None else torch.zeros_like(param)
+            continue
+        buffer, index = eng.registry.buffer_of(ctx, param)
+        if id(buffer) not in gathered:
+            shard = torch.zeros(buffer.layout.shard_size, dtype=buffer.dtype, device=buffer.local.device)
+            for slot in buffer.slots:
+                if slot.param.grad is not None:
+                    shard[slot.piece.shard_start : slot.piece.shard_end] = slot.param.grad
+            full = torch.empty(buffer.layout.padded_total, dtype=buffer.dtype, device=shard.device)
+            all_gather(ctx, full, shard).wait()
+            gathered[id(buffer)] = full
+        slot = buffer.slots[index]
+        out[key] = gathered[id(buffer)][slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
     return out

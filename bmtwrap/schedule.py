@@ -16,7 +16,7 @@ it runs, and a prefetched block that does not run is released at the end of the 
 
 from __future__ import annotations
 
-from typing import List, Optional, Protocol
+from typing import Any, Dict, List, Optional, Protocol
 
 from torch.autograd import Variable
 
@@ -79,6 +79,7 @@ class Engine:
         self.active_root: Optional[Participant] = None
         self.block_depth = 0  # > 0 while a block's module runs
         self.blocks_built = 0  # numbers block names, for messages and traces
+        self.wrapped: Dict[int, Any] = {}  # id(model) -> what bmtwrap.wrap made of it (wrap.convert.Wrapped)
         self._pending: List[PendingReduction] = []
         self._in_backward: List[Participant] = []  # participants that ran forward with grad
         self._callback_queued = False
