@@ -1,0 +1,358 @@
+"""The converter: apply a :class:`WrapPlan` to a model, in place.
+
+[Note: what wrap changes]
+- Each block module keeps its class, name and place in the tree; its ``forward`` attribute is set
+  on the instance to a function that runs the original forward through a
+  :class:`~bmtwrap.block.BlockRunner` (gather, checkpoint, reduce). ``state_dict()`` keys,
+  ``isinstance`` and every other method are unchanged.
+- Every parameter object stays the same Python object; its ``.data`` becomes a 1-D view of this
+  rank's piece. So an optimizer built after ``wrap`` sees the shards, and one built before but not
+  yet stepped sees them too.
+- The model gets a forward pre-hook and post-hook that gather the root group (everything outside
+  blocks) for the duration of its forward.
+- Buffers move to this process's device.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .. import dist as _dist
+from ..block import Block, BlockRunner
+from ..group import ParamGroup, build_group
+from ..module import RootRunner
+from ..schedule import engine
+from .adapters import ModelAdapter, adapter_for
+from .detect import LayerPolicy
+from .plan import Checkpoint, WrapPlan, make_plan
+
+__all__ = ["materialize", "plan", "wrap"]
+
+
+@dataclass(frozen=True)
+class WrapOptions:
+    """The options of one :func:`wrap` call (compared when a model is wrapped again)."""
+
+    layers: Any
+    checkpoint: Checkpoint
+    zero_level: int
+    reduce_dtype: Optional[torch.dtype]
+    memory_budget: Optional[int]
+
+
+@dataclass(eq=False)
+class Wrapped:
+    """What wrap made of one model: kept by the engine so that wrapping again is detected."""
+
+    model: "weakref.ref[nn.Module]"
+    options: WrapOptions
+    plan: WrapPlan
+    runners: List[Tuple[nn.Module, BlockRunner]]
+    root: RootRunner
+    adapter: ModelAdapter
+    # Modules whose non-persistent buffers (rotary inv_freq, ...) were on the meta device: no state
+    # dict holds them, so they are recomputed by the model's initialiser after loading.
+    stale_buffers: List[nn.Module]
+
+
+def _check_options(checkpoint: Checkpoint, zero_level: Optional[int], memory_budget: Optional[int]) -> None:
+    if checkpoint not in (True, False, "auto"):
+        raise ValueError(f"checkpoint must be True, False or 'auto', got {checkpoint!r}")
+    if zero_level not in (None, 2, 3):
+        raise ValueError(f"zero_level must be 2 or 3, got {zero_level!r}")
+    if memory_budget is not None and memory_budget <= 0:
+        raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
+
+
+def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional[LayerPolicy] = None,
+         checkpoint: Checkpoint = True, batch_size: Optional[int] = None, seq_len: Optional[int] = None) -> WrapPlan:
+    """What :func:`wrap` would do to ``model``, without doing it (no collectives, no allocation).
+
+    Args:
+        world_size: ranks to plan for; default: the current world size, or 1 before
+            :func:`bmtwrap.init_distributed`.
+        layers, checkpoint: as for :func:`wrap`.
+        batch_size, seq_len: a batch shape, for the activation estimate.
+
+    Returns:
+        A :class:`~bmtwrap.wrap.plan.WrapPlan`; ``print(plan)`` shows it as a table.
+
+    Example::
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        print(bmt.plan(model, world_size=8, batch_size=2, seq_len=4096))
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"plan expects an nn.Module, got {type(model).__name__}")
+    _check_options(checkpoint, None, None)
+    if world_size is None:
+        world_size = _dist.current().world_size if _dist.is_initialized() else 1
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    return make_plan(model, world_size, layers=layers, checkpoint=checkpoint, batch_size=batch_size,
+                     seq_len=seq_len)[0]
+
+
+class AutoCheckpoint:
+    """``checkpoint="auto"``: keep as many blocks un-checkpointed as the memory budget allows.
+
+    The first training step runs every block checkpointed; while backward recomputes each block,
+    the bytes its recomputation keeps alive are measured. Once every block has reported, blocks
+    stop checkpointing, first to last, while their activations fit between that step's peak and
+    the budget. On the CPU nothing is measured and every block stays checkpointed.
+    """
+
+    def __init__(self, runners: List[BlockRunner], budget: Optional[int], device: torch.device) -> None:
+        self._runners = runners
+        self._sizes: Dict[int, int] = {}
+        self._device = device
+        self.decided = device.type != "cuda"
+        if not self.decided:
+            total = torch.cuda.get_device_properties(device).total_memory
+            self._budget = budget if budget is not None else int(0.9 * total)
+            for runner in runners:
+                runner.activation_probe = self.report
+
+    def report(self, runner: BlockRunner, nbytes: int) -> None:
+        if self.decided:
+            return
+        self._sizes[id(runner)] = max(nbytes, self._sizes.get(id(runner), 0))
+        if len(self._sizes) < len(self._runners):
+            return
+        self.decided = True
+        headroom = self._budget - torch.cuda.max_memory_allocated(self._device)
+        for runner in self._runners:
+            size = self._sizes[id(runner)]
+            if size > headroom:
+                break
+            runner.use_checkpoint = False
+            headroom -= size
+        for runner in self._runners:
+            runner.activation_probe = None
+
+
+_STEP_HOOK: List[Any] = []  # the one optimizer step pre-hook this process installs (see _check_optimizer)
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """An optimizer that stepped before ``wrap`` holds state of the full, unsharded shapes."""
+    if not _dist.is_initialized():
+        return
+    registry = engine().registry
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            if not state or registry.lookup(param) is None:
+                continue
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                    raise ValueError(
+                        f"{type(optimizer).__name__} holds state '{key}' of shape {tuple(value.shape)} for a "
+                        f"parameter bmtwrap has since sharded to shape {tuple(param.shape)}: the optimizer stepped "
+                        "before bmtwrap.wrap(model). Create the optimizer after wrapping the model."
+                    )
+
+
+def _install_forward(module: nn.Module, runner: BlockRunner) -> None:
+    original = module.forward
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return runner.run(original, args, kwargs)
+
+    module.forward = forward
+
+
+def _attach_root(model: nn.Module, root: RootRunner, adapter: ModelAdapter) -> None:
+    def enter(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+        kwargs = adapter.forward_kwargs(module, kwargs)
+        root.enter()
+        return args, kwargs
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        root.exit()
+
+    model.register_forward_pre_hook(enter, with_kwargs=True)
+    model.register_forward_hook(leave, always_call=True)
+
+
+def _move_buffers(model: nn.Module, device: torch.device) -> None:
+    """Buffers go where the computation is (buffers on meta get uninitialised storage there)."""
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is None or buf.device == device:
+                continue
+            module._buffers[name] = torch.empty_like(buf, device=device) if buf.is_meta else buf.to(device)
+
+
+def _already_wrapped(model: nn.Module, options: WrapOptions) -> Optional[nn.Module]:
+    record = _record(model)
+    if record is None:
+        return None
+    if record.options != options:
+        raise ValueError(
+            f"this {type(model).__name__} is already wrapped with {record.options}; wrap it once, "
+            f"with the options you want (got {options})"
+        )
+    return model
+
+
+def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: Checkpoint = True,
+         zero_level: Optional[int] = None, reduce_dtype: Optional[torch.dtype] = None,
+         memory_budget: Optional[int] = None) -> nn.Module:
+    """Shard ``model`` over all ranks, in place, and return it.
+
+    The repeated layers (an ``nn.ModuleList``/``nn.Sequential`` of one class, or what a Hugging
+    Face model names in ``_no_split_modules``) each become a block: their parameters are gathered
+    while the previous block computes, released after use (ZeRO-3), optionally recomputed in
+    backward, and their gradients reduce-scattered (averaged over ranks) while the next block
+    computes. Everything else (embeddings, final norm, heads, tied weights) forms the root group,
+    gathered once per forward. A model with no repeated layers is cut into pieces by size.
+
+    The model keeps its class, its ``state_dict()`` keys and every method; each parameter stays the
+    same object and becomes a 1-D view of this rank's piece. Build optimizers after ``wrap``.
+    Hugging Face models also get ``use_cache=False`` in training, HF's own gradient checkpointing
+    switched off, and ``generate()`` kept in step across ranks.
+
+    Args:
+        model: any ``nn.Module``; may be on the CPU, this process's GPU, or the meta device (then
+            call :func:`materialize` or load weights before running it).
+        layers: which modules become blocks: a list of classes or class names, or a callable
+            ``(qualified_name, module) -> bool``; default: detected.
+        checkpoint: ``True`` (recompute every block in backward), ``False``, or ``"auto"`` (keep the
+            activations of as many blocks as ``memory_budget`` allows, measured in the first step;
+            every block stays checkpointed on the CPU).
+        zero_level: 3 frees gathered parameters after each block's forward, 2 keeps them until
+            backward; default: :func:`bmtwrap.init_distributed`'s.
+        reduce_dtype: dtype gradients are averaged in; default: each parameter's own.
+        memory_budget: bytes per GPU that ``checkpoint="auto"`` may use; default: 90% of the GPU.
+
+    Returns:
+        ``model`` itself. Calling ``wrap`` again on a wrapped model with the same options is a
+        no-op that returns it; with other options it raises ``ValueError``.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: bad options; a class in ``layers`` that the model does not have; the model
+            already contains :class:`~bmtwrap.Block` modules; parameters on several devices.
+
+    :func:`bmtwrap.init_distributed` is called with its defaults if it has not been.
+
+    Example::
+
+        model = AutoModelForCausalLM.from_pretrained(path)
+        model = bmtwrap.wrap(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"wrap expects an nn.Module, got {type(model).__name__}")
+    _check_options(checkpoint, zero_level, memory_budget)
+    ctx = _dist.current() if _dist.is_initialized() else _dist.init_distributed()
+    eng = engine(ctx)
+    options = WrapOptions(layers, checkpoint, zero_level or ctx.zero_level, reduce_dtype, memory_budget)
+    if _already_wrapped(model, options) is not None:
+        return model
+    if any(isinstance(m, Block) for m in model.modules()):
+        raise ValueError("this model already contains bmtwrap Blocks; wrap a plain model, or use the Blocks as they are")
+
+    the_plan, blocks, shared_ids = make_plan(model, ctx.world_size, layers=layers, checkpoint=checkpoint)
+    adapter = adapter_for(model)
+    adapter.prepare(model)
+
+    runners: List[Tuple[nn.Module, BlockRunner]] = []
+    for (name, module), block_plan in zip(blocks, the_plan.blocks):
+        runner = BlockRunner(module, name, use_checkpoint=bool(block_plan.checkpoint), zero_level=options.zero_level,
+                             reduce_dtype=reduce_dtype, exclude=shared_ids, allow_meta=True)
+        _install_forward(module, runner)
+        runners.append((module, runner))
+    owned = {id(slot.param) for _, runner in runners for slot in runner.group.slots}
+    root_group = build_group(ctx, eng.registry, model, "root", lambda g, p: None, reduce_dtype,
+                             exclude=owned, allow_meta=True)
+    root = RootRunner(eng, root_group, replicated=[])
+    _attach_root(model, root, adapter)
+    stale = [m for m in model.modules()
+             if any(b is not None and b.is_meta and n in m._non_persistent_buffers_set for n, b in m._buffers.items())]
+    _move_buffers(model, ctx.device)
+    if checkpoint == "auto":
+        AutoCheckpoint([r for _, r in runners], memory_budget, ctx.device)
+    if not _STEP_HOOK:
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
+    eng.wrapped[id(model)] = Wrapped(weakref.ref(model), options, the_plan, runners, root, adapter, stale)
+    return model
+
+
+def _record(model: nn.Module) -> Optional[Wrapped]:
+    record: Optional[Wrapped] = engine().wrapped.get(id(model))
+    return record if record is not None and record.model() is model else None
+
+
+@torch.no_grad()
+def restore_buffers(model: nn.Module) -> None:
+    """Recompute the non-persistent buffers a model built on the meta device lost (after loading).
+
+    Only modules without parameters of their own are re-initialised (rotary embeddings are such
+    modules), so no loaded weight is touched.
+    """
+    record = _record(model)
+    if record is None or not record.stale_buffers:
+        return
+    initialise = record.adapter.initializer(model)
+    for module in record.stale_buffers:
+        if not any(True for _ in module.parameters(recurse=False)):
+            initialise(module)
+    record.stale_buffers = []
+
+
+def _groups_of(record: Wrapped, model: nn.Module) -> List[Tuple[ParamGroup, List[nn.Module]]]:
+    """Each group with the modules whose own parameters and buffers it covers."""
+    inside: Set[int] = set()
+    out = []
+    for module, runner in record.runners:
+        modules = list(module.modules())
+        inside.update(id(m) for m in modules)
+        out.append((runner.group, modules))
+    rest = [m for m in model.modules() if id(m) not in inside]
+    return [(record.root.group, rest)] + out
+
+
+@torch.no_grad()
+def materialize(model: nn.Module) -> nn.Module:
+    """Give a wrapped model built on the meta device its initial values, one group at a time.
+
+    Each group is gathered (uninitialised), every module it covers is initialised at full shape
+    (Hugging Face models with their own ``_init_weights``, which also restores rotary
+    ``inv_freq``; other modules with ``reset_parameters()``), and each rank keeps its piece.
+    Every rank draws the same random numbers, so the pieces fit together. A collective.
+
+    Raises:
+        ValueError: ``model`` was not wrapped by :func:`wrap`.
+    """
+    eng = engine()
+    record = _record(model)
+    if record is None:
+        raise ValueError("materialize expects a model returned by bmtwrap.wrap()")
+    initialise = record.adapter.initializer(model)
+    for group, modules in _groups_of(record, model):
+        for buffer in group.buffers:
+            buffer.initialized = True
+        group.ensure_gathered()
+        group.swap_in([view.detach() for view in group.unshard()])
+        try:
+            for module in modules:
+                initialise(module)
+        finally:
+            group.swap_out()
+        record.stale_buffers = [m for m in record.stale_buffers if all(m is not x for x in modules)]
+        for buffer in group.buffers:
+            rank_slice = slice(eng.ctx.rank * buffer.layout.shard_size, (eng.ctx.rank + 1) * buffer.layout.shard_size)
+            buffer.local.copy_(buffer.full[rank_slice])
+        group.release()
+    return model
