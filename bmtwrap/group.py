@@ -446,11 +446,15 @@ def build_group(ctx: DistContext, registry: ParamRegistry, module: nn.Module, na
                     local[piece.shard_start : piece.shard_end].copy_(
                         value.reshape(-1)[piece.param_start : piece.param_end])
             view = local[piece.shard_start : piece.shard_end]
+            old_grad, param.grad = param.grad, None
             if param.is_meta:
                 # .data cannot turn a meta tensor into a real one; swapping keeps the object (and ties).
                 torch.utils.swap_tensors(param, nn.Parameter(view, requires_grad=param.requires_grad))
             else:
                 param.data = view
+            if old_grad is not None:
+                # A gradient from before sharding: keep this rank's piece of it (not averaged over ranks).
+                param.grad = old_grad.reshape(-1)[piece.param_start : piece.param_end].to(view.device).clone()
             if isinstance(param, DistributedParameter):
                 param._standalone = None  # its lone shard is superseded by this buffer
             regs = tuple(owner for _, owner in owners[id(param)])

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Protocol
 
+import torch
 from torch.autograd import Variable
 
 from .dist import DistContext, current
@@ -82,7 +83,7 @@ class Engine:
         self.wrapped: Dict[int, Any] = {}  # id(model) -> what bmtwrap.wrap made of it (wrap.convert.Wrapped)
         self._pending: List[PendingReduction] = []
         self._in_backward: List[Participant] = []  # participants that ran forward with grad
-        self._callback_queued = False
+        self._callback_task = -1  # the autograd graph task our end-of-backward callback is queued on
 
     # --- forward ---------------------------------------------------------------------------------
     def forward_with_grad(self, participant: Participant) -> None:
@@ -92,10 +93,15 @@ class Engine:
 
     # --- backward --------------------------------------------------------------------------------
     def backward_started(self) -> None:
-        """Called by every backward hook; queues the end-of-backward callback once per pass."""
-        if not self._callback_queued:
+        """Called by every backward hook; queues the end-of-backward callback once per pass.
+
+        Keyed by the graph task, so a backward that raised (and never ran its callback) does not
+        stop the next one from queueing its own.
+        """
+        task = torch._C._current_graph_task_id()
+        if task != self._callback_task:
             Variable._execution_engine.queue_callback(self._backward_finished)
-            self._callback_queued = True
+            self._callback_task = task
 
     def add_reductions(self, pending: List[PendingReduction]) -> None:
         self.backward_started()
@@ -108,7 +114,7 @@ class Engine:
             self._pending.pop(0).finish()
 
     def _backward_finished(self) -> None:
-        self._callback_queued = False
+        self._callback_task = -1
         self.finish_reductions()
         participants, self._in_backward = self._in_backward, []
         for participant in participants:
