@@ -1,0 +1,162 @@
+"""wrap() in one process: its errors, re-wrapping, stale optimizers, plans and the plan command."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import bmtwrap as bmt
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world():
+    if not bmt.dist.is_initialized():
+        bmt.init_distributed(seed=0)
+
+
+def tiny_llama(**overrides) -> transformers.LlamaForCausalLM:
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                      **overrides)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def test_wrap_rejects_a_non_module():
+    with pytest.raises(TypeError, match="wrap expects an nn.Module, got dict"):
+        bmt.wrap({"weight": torch.zeros(2)})
+
+
+def test_wrap_rejects_bad_options():
+    with pytest.raises(ValueError, match="checkpoint must be True, False or 'auto'"):
+        bmt.wrap(nn.Linear(2, 2), checkpoint="sometimes")
+    with pytest.raises(ValueError, match="zero_level must be 2 or 3"):
+        bmt.wrap(nn.Linear(2, 2), zero_level=1)
+
+
+def test_layer_class_not_in_model_is_named():
+    with pytest.raises(ValueError, match="layer class 'GPT2Block' is not in this model"):
+        bmt.wrap(tiny_llama(), layers=["GPT2Block"])
+
+
+def test_wrapping_twice_is_a_no_op_with_the_same_options():
+    model = bmt.wrap(tiny_llama())
+    shards = [p for p in model.parameters()]
+    assert bmt.wrap(model) is model
+    assert [p for p in model.parameters()] == shards and all(p.dim() == 1 for p in shards)
+
+
+def test_wrapping_twice_with_other_options_is_an_error():
+    model = bmt.wrap(tiny_llama())
+    with pytest.raises(ValueError, match="already wrapped with"):
+        bmt.wrap(model, checkpoint=False)
+
+
+def test_wrap_keeps_class_keys_and_parameter_objects():
+    model = tiny_llama()
+    before_keys = list(model.state_dict())
+    before_params = list(model.parameters())
+    assert bmt.wrap(model) is model
+    assert type(model) is transformers.LlamaForCausalLM
+    assert list(model.state_dict()) == before_keys
+    assert all(a is b for a, b in zip(model.parameters(), before_params))
+    assert model._is_fsdp_managed_module
+
+
+def test_optimizer_that_stepped_before_wrap_is_caught():
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 64, (2, 8))
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()
+    bmt.wrap(model)
+    model(ids, labels=ids).loss.backward()
+    with pytest.raises(ValueError, match="stepped before bmtwrap.wrap"):
+        optimizer.step()
+
+
+def test_optimizer_built_before_wrap_but_not_stepped_works():
+    model = tiny_llama()
+    reference = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    bmt.wrap(model)
+    ids = torch.randint(0, 64, (2, 8))
+    for m, opt in ((model, optimizer), (reference, ref_opt)):
+        m(ids, labels=ids).loss.backward()
+        opt.step()
+    full = bmt.full_state_dict(model)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(full[name], value, rtol=0, atol=1e-6, msg=name)
+
+
+def test_casting_after_wrap_is_reported():
+    model = bmt.wrap(tiny_llama())
+    model.to(torch.float64)
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(RuntimeError, match="was replaced after sharding"):
+        model(ids)
+
+
+def test_running_an_unloaded_meta_model_is_reported():
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(tiny_llama().config)
+    bmt.wrap(model)
+    with pytest.raises(RuntimeError, match="built on the meta device and hold no values yet"):
+        model(torch.randint(0, 64, (1, 4)))
+
+
+def test_materialize_needs_a_wrapped_model():
+    with pytest.raises(ValueError, match="materialize expects a model returned by bmtwrap.wrap"):
+        bmt.materialize(tiny_llama())
+
+
+def test_load_state_dict_lists_problems_and_changes_nothing():
+    model = bmt.wrap(tiny_llama())
+    before = bmt.full_state_dict(model)
+    state = tiny_llama(tie_word_embeddings=True).state_dict()
+    state["extra.weight"] = torch.zeros(1)
+    state["model.norm.weight"] = torch.zeros(5)
+    del state["model.layers.0.mlp.up_proj.weight"]
+    with pytest.raises(ValueError) as info:
+        bmt.load_state_dict(model, state)
+    message = str(info.value)
+    assert "missing keys" in message and "model.layers.0.mlp.up_proj.weight" in message
+    assert "unexpected keys" in message and "extra.weight" in message
+    assert "shape mismatches" in message and "model.norm.weight" in message
+    after = bmt.full_state_dict(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_auto_checkpoint_falls_back_to_checkpointing_on_cpu():
+    model = bmt.wrap(tiny_llama(), checkpoint="auto")
+    record = bmt.schedule.engine().wrapped[id(model)]
+    assert all(runner.use_checkpoint for _, runner in record.runners)
+
+
+def test_plan_lists_blocks_and_memory():
+    plan = bmt.plan(tiny_llama(), world_size=4, batch_size=2, seq_len=16)
+    assert plan.block_names == ["model.layers.0", "model.layers.1"]
+    assert plan.rule == "repeated layers"
+    total = sum(p.numel() for p in tiny_llama().parameters())
+    assert plan.root.params + sum(b.params for b in plan.blocks) == total
+    assert plan.memory.params == -(-total * 4 // 4)  # fp32, divided over 4 ranks
+    text = str(plan)
+    assert "model.layers.1" in text and "LlamaDecoderLayer" in text and "activations" in text
+
+
+def test_plan_command(tmp_path):
+    tiny_llama().config.save_pretrained(tmp_path / "model")
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for target in (tmp_path / "model", tmp_path / "config.json"):
+        out = subprocess.run([sys.executable, "-m", "bmtwrap", "plan", str(target), "--world-size", "2"],
+                             capture_output=True, text=True, check=True).stdout
+        assert "WrapPlan for LlamaForCausalLM over 2 rank(s): 2 blocks" in out
+    missing = subprocess.run([sys.executable, "-m", "bmtwrap", "plan", str(tmp_path / "nowhere")],
+                             capture_output=True, text=True)
+    assert missing.returncode != 0 and "no such file or folder" in missing.stderr
