@@ -164,11 +164,14 @@ class BlockRunner:
 
     def _measured(self, call: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         # Inside backward this is the recomputation: what it allocates and keeps is the block's activations.
+        # Checkpointing stops the recomputation by raising once the last saved tensor is rebuilt, so
+        # report from `finally`: by then every activation backward needs is allocated.
         device = self._engine.ctx.device
         before = torch.cuda.memory_allocated(device)
-        out = call(*args, **kwargs)
-        self.activation_probe(self, torch.cuda.memory_allocated(device) - before)
-        return out
+        try:
+            return call(*args, **kwargs)
+        finally:
+            self.activation_probe(self, torch.cuda.memory_allocated(device) - before)
 
     # Saved-tensor hooks for blocks that are not checkpointed under ZeRO-3: a saved view of the
     # gathered parameters is remembered with its group, and the group is gathered again into the

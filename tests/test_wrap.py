@@ -19,9 +19,9 @@ def world():
 
 
 def tiny_llama(**overrides) -> transformers.LlamaForCausalLM:
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                      **overrides)
+    values = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=32)
+    config = transformers.LlamaConfig(**{**values, **overrides})
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)
 
@@ -160,3 +160,24 @@ def test_plan_command(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "bmtwrap", "plan", str(tmp_path / "nowhere")],
                              capture_output=True, text=True)
     assert missing.returncode != 0 and "no such file or folder" in missing.stderr
+
+
+def test_auto_checkpoint_keeps_activations_of_the_blocks_that_fit(monkeypatch):
+    """The decision, with the CUDA memory counters replaced: every recomputation reports 1000 bytes."""
+    import itertools
+    import types
+
+    from bmtwrap.wrap.convert import AutoCheckpoint
+
+    counter = itertools.count()
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: next(counter) * 1000)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 500)
+    model = bmt.wrap(tiny_llama(num_hidden_layers=3))
+    runners = [runner for _, runner in bmt.schedule.engine().wrapped[id(model)].runners]
+    auto = AutoCheckpoint(runners, budget=2600, device=types.SimpleNamespace(type="cuda"))
+    ids = torch.randint(0, 64, (2, 8))
+    model(ids, labels=ids).loss.backward()
+    assert auto.decided
+    # 2600 budget - 500 peak = 2100 headroom: two blocks of 1000 fit, the third stays checkpointed.
+    assert [r.use_checkpoint for r in runners] == [False, False, True]
+    model(ids, labels=ids).loss.backward()  # and training goes on with the mixed setting

@@ -116,8 +116,9 @@ class AutoCheckpoint:
         self._device = device
         self.decided = device.type != "cuda"
         if not self.decided:
-            total = torch.cuda.get_device_properties(device).total_memory
-            self._budget = budget if budget is not None else int(0.9 * total)
+            if budget is None:
+                budget = int(0.9 * torch.cuda.get_device_properties(device).total_memory)
+            self._budget = budget
             for runner in runners:
                 runner.activation_probe = self.report
 
