@@ -1,0 +1,94 @@
+"""Training throughput of ``bmtwrap.wrap`` on HF Llama shapes (1b / 3b / 8b), one process per GPU.
+
+    torchrun --nproc_per_node=2 benchmarks/train_llama.py --size 8b --batch 2 --seq 4096
+
+The protocol of the peer baselines: the model is built on the meta device, wrapped, initialised
+on the GPU (``bmtwrap.materialize``); random token ids, labels = inputs; median step time of
+``--steps`` steps after ``--warmup``; model FLOPs per token = 6 x dense parameters +
+12 x layers x hidden x seq (recompute not counted) against 989 TFLOP/s. Prints one line,
+``RESULT {json}``, with the peers' fields.
+
+Precision: parameters, gathers and reductions in bf16; the optimizer is torch's fused AdamW on
+the bf16 shards (``--optimizer``), since that is what a plain ``torch.optim`` user gets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import transformers
+
+import bmtwrap as bmt
+
+SIZES = {
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+}
+PEAK_FLOPS = 989e12  # bf16 dense, H100 / H200 SXM
+
+
+def flops_per_token(config: transformers.LlamaConfig, model: torch.nn.Module, seq: int) -> float:
+    params = sum(p.numel() for p in model.parameters())
+    lookup = 0 if config.tie_word_embeddings else model.model.embed_tokens.weight.numel()
+    return 6 * (params - lookup) + 12 * config.num_hidden_layers * config.hidden_size * seq
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--size", default="1b", choices=sorted(SIZES))
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--checkpoint", default="true", choices=["true", "false", "auto"])
+    parser.add_argument("--zero-level", type=int, default=3, choices=[2, 3])
+    args = parser.parse_args()
+
+    ctx = bmt.init_distributed(seed=0, zero_level=args.zero_level)
+    config = transformers.LlamaConfig(max_position_embeddings=max(args.seq, 128), attn_implementation="sdpa",
+                                      **SIZES[args.size])
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    per_token = flops_per_token(config, model, args.seq)
+    params = sum(p.numel() for p in model.parameters())
+    checkpoint = {"true": True, "false": False, "auto": "auto"}[args.checkpoint]
+    model = bmt.wrap(model, checkpoint=checkpoint)
+    bmt.materialize(model)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq),
+                        generator=torch.Generator().manual_seed(ctx.rank)).to(ctx.device)
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(args.warmup + args.steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    step = statistics.median(times)
+    tokens = args.batch * args.seq
+    bmt.print_rank("RESULT " + json.dumps(dict(
+        system="bmtwrap", size=args.size, world=ctx.world_size, batch=args.batch, seq=args.seq, params=params,
+        activation_checkpointing=args.checkpoint, zero_level=args.zero_level, optimizer="torch AdamW, bf16 shards",
+        step_s=round(step, 4), tok_s_gpu=round(tokens / step, 1), mfu=round(per_token * tokens / step / PEAK_FLOPS, 4),
+        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), loss=round(loss.item(), 4),
+    )), flush=True)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
