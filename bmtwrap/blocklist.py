@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Iterable, Iterator, Tuple, Union
 
 import torch
@@ -47,24 +48,23 @@ class TransformerBlockList(nn.Module):
         if num_hidden < 1:
             raise ValueError(f"num_hidden must be >= 1, got {num_hidden}")
         self.num_hidden = num_hidden
+        modules = list(modules)
         for index, module in enumerate(modules):
             if not isinstance(module, nn.Module):
                 raise TypeError(f"TransformerBlockList element {index} is a {type(module).__name__}, not an nn.Module")
-            block = module if isinstance(module, Block) else Block(module)
-            owner = block._owner_list
-            if owner is not None and owner != self._token:
+            owner = module._owner_list() if isinstance(module, Block) and module._owner_list is not None else None
+            if owner is not None:
                 raise ValueError(
-                    f"block {index} ({type(block._module).__name__}) already belongs to another TransformerBlockList; "
+                    f"block {index} ({type(module._module).__name__}) already belongs to another TransformerBlockList; "
                     "a Block can be in one list only (to share weights, repeat it inside one list)"
                 )
-            block._owner_list = self._token
-            self.add_module(str(index), block)
-        if len(self._modules) == 0:
+        if not modules:
             raise ValueError("TransformerBlockList needs at least one module")
-
-    @property
-    def _token(self) -> str:
-        return f"list@{id(self):x}"
+        # Only now, with every element checked, are the blocks made and claimed.
+        blocks = [m if isinstance(m, Block) else Block(m) for m in modules]
+        for index, block in enumerate(blocks):
+            block._owner_list = weakref.ref(self)
+            self.add_module(str(index), block)
 
     def __len__(self) -> int:
         return len(self._modules)

@@ -39,7 +39,6 @@ class DistContext:
         world_size: number of processes in ``group``; parameters are sharded over all of them.
         local_rank: rank on this host; picks the CUDA device.
         device: where parameters, gathers and reductions live (``cuda:<local_rank>`` or ``cpu``).
-        group: the process group every collective of the engine runs on.
         zero_level: default ZeRO level of new blocks (2: keep gathered parameters from forward
             until backward; 3: release them after forward and gather again in backward).
         seed: the seed every RNG was seeded with.
@@ -51,10 +50,18 @@ class DistContext:
     world_size: int
     local_rank: int
     device: torch.device
-    group: dist.ProcessGroup
     zero_level: int
     seed: int
     engine: Optional[Any] = field(default=None, repr=False)
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The process group every collective of the engine runs on (the default group).
+
+        Looked up, not stored: holding it would keep it alive after ``destroy_process_group()``,
+        and gloo's threads with it until interpreter shutdown, where they can abort the process.
+        """
+        return dist.group.WORLD
 
     @property
     def backend(self) -> str:
@@ -65,17 +72,18 @@ _CONTEXT: Optional[DistContext] = None
 
 
 def is_initialized() -> bool:
-    """Whether :func:`init_distributed` has run in this process."""
-    return _CONTEXT is not None
+    """Whether :func:`init_distributed` has run (and its process group has not been destroyed)."""
+    return _CONTEXT is not None and dist.is_initialized()
 
 
 def current() -> DistContext:
     """The context made by :func:`init_distributed`.
 
     Raises:
-        RuntimeError: if :func:`init_distributed` has not been called yet.
+        RuntimeError: if :func:`init_distributed` has not been called yet, or the process group
+            was destroyed since.
     """
-    if _CONTEXT is None:
+    if not is_initialized():
         raise RuntimeError(
             "bmtwrap is not initialised: call bmtwrap.init_distributed() before building blocks "
             "or calling rank(), world_size(), synchronize() or sum_loss()."
@@ -164,7 +172,7 @@ def init_distributed(
             "bmtwrap shards parameters over all ranks (ZeRO)"
         )
     del num_micro_batches  # BMTrain's pipeline option; nothing to do without pipelines
-    if _CONTEXT is not None:
+    if is_initialized():
         warnings.warn("bmtwrap.init_distributed() was called again; keeping the first context", stacklevel=2)
         return _CONTEXT
 
@@ -180,13 +188,11 @@ def init_distributed(
         else:
             # No launcher: a world of one needs no rendezvous, only a store.
             dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
-    group = dist.group.WORLD
     _CONTEXT = DistContext(
-        rank=dist.get_rank(group),
-        world_size=dist.get_world_size(group),
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
         local_rank=local_rank,
         device=device,
-        group=group,
         zero_level=zero_level,
         seed=seed,
     )
@@ -231,5 +237,5 @@ def sum_loss(loss: torch.Tensor, method: str = "mean") -> torch.Tensor:
 
 def print_rank(*args: Any, rank: int = 0, **kwargs: Any) -> None:
     """``print`` on one rank only (rank 0 by default); a plain ``print`` before initialisation."""
-    if _CONTEXT is None or _CONTEXT.rank == rank:
+    if not is_initialized() or _CONTEXT.rank == rank:
         print(*args, **kwargs)
