@@ -16,6 +16,7 @@ backward: pre-backward (hook on the outputs) → gather own group, prefetch the 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -147,7 +148,10 @@ class BlockRunner:
 
         if recording:
             out = _route_through(_PreBackward, self, out)
-        if not recording or self.zero_level == 3:
+        # ZeRO-3 frees the parameters until backward, except those of the last block, which backward
+        # needs first: releasing and gathering them again would only expose a gather.
+        last = eng.order.known and self.next_block is None
+        if not recording or (self.zero_level == 3 and not last):
             self.group.release()
         return out
 
@@ -231,6 +235,30 @@ class _SavedParameterView:
         self.tensor = tensor
 
 
+def shard_full_tensors(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any,
+                       strict: bool, missing_keys: List[str], unexpected_keys: List[str], error_msgs: List[str]) -> None:
+    """Load-state-dict pre-hook: a full-shaped tensor for a sharded parameter becomes this rank's piece.
+
+    So ``model.load_state_dict(unwrapped_state_dict)`` works on a sharded model, as it does in
+    BMTrain. Pieces (what ``state_dict()`` of a sharded model holds) pass through unchanged.
+    """
+    eng = engine()
+    named = module.named_parameters(prefix=prefix[:-1], remove_duplicate=False)
+    for key, param in named:
+        if key not in state_dict or not eng.registry.is_sharded(param):
+            continue
+        buffer, index = eng.registry.buffer_of(eng.ctx, param)
+        slot = buffer.slots[index]
+        value = state_dict[key]
+        if tuple(value.shape) == tuple(slot.shape):
+            state_dict[key] = value.reshape(-1)[slot.piece.param_start : slot.piece.param_end]
+            buffer.initialized = True
+        elif tuple(value.shape) != tuple(param.shape):
+            error_msgs.append(f"size mismatch for {key.replace('_module.', '')}: the checkpoint has shape "
+                              f"{tuple(value.shape)}, the model {tuple(slot.shape)}")
+            state_dict[key] = param.detach()  # reported above; keep torch from reporting the local shape too
+
+
 def _strip_module_prefix(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
     inner = prefix + "_module."
     for key in [k for k in state_dict if k.startswith(inner)]:
@@ -258,7 +286,8 @@ class Block(nn.Module):
             default: the value given to :func:`bmtwrap.init_distributed`.
         reduce_dtype: dtype gradients are averaged in; default: the parameters' own.
 
-    State dict keys are the inner module's, without a ``_module.`` level, as in BMTrain.
+    State dict keys are the inner module's, without a ``_module.`` level, as in BMTrain; its
+    values are this rank's pieces. ``load_state_dict`` accepts pieces or full-shaped tensors.
 
     Raises:
         TypeError: ``inner_module`` is not an ``nn.Module``.
@@ -284,9 +313,10 @@ class Block(nn.Module):
         self._module = inner_module
         self._runner = BlockRunner(inner_module, _unique_name(inner_module), use_checkpoint=use_checkpoint,
                                    zero_level=zero_level, reduce_dtype=reduce_dtype)
-        self._owner_list: Optional[str] = None  # set by the TransformerBlockList that holds it
+        self._owner_list: Optional["weakref.ref[nn.Module]"] = None  # the TransformerBlockList holding it
         self.register_state_dict_post_hook(_strip_module_prefix)
-        self.register_load_state_dict_pre_hook(_add_module_prefix)
+        self.register_load_state_dict_pre_hook(_add_module_prefix)  # must run before the next one
+        self.register_load_state_dict_pre_hook(shard_full_tensors)
 
     @property
     def runner(self) -> BlockRunner:

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .block import Block
+from .block import Block, shard_full_tensors
 from .collectives import all_gather, all_reduce_mean
 from .group import ParamGroup, PendingReduction, find_owners, full_value, lone_group
 from .param import DistributedParameter
@@ -81,6 +81,9 @@ class RootRunner:
             return False
         eng.active_root = self
         eng.order.restart()
+        self.group.prefetch()
+        if eng.order.first is not None:
+            eng.order.first.group.prefetch()  # in flight together with the root's gather
         self.group.ensure_gathered()
         self.group.swap_in(self.group.unshard())
         if torch.is_grad_enabled() and self.group.trainable:
@@ -142,6 +145,7 @@ class DistributedModule(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._root: Optional[RootRunner] = None
+        self.register_load_state_dict_pre_hook(shard_full_tensors)
         self.register_forward_pre_hook(_root_pre_forward)
         self.register_forward_hook(_root_post_forward, always_call=True)
 

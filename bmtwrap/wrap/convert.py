@@ -11,6 +11,7 @@
 - The model gets a forward pre-hook and post-hook that gather the root group (everything outside
   blocks) for the duration of its forward.
 - Buffers move to this process's device.
+- ``load_state_dict`` accepts the unwrapped model's full tensors as well as pieces.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import dist as _dist
-from ..block import Block, BlockRunner
+from ..block import Block, BlockRunner, shard_full_tensors
 from ..group import ParamGroup, build_group
 from ..module import RootRunner
 from ..schedule import engine
@@ -183,6 +184,7 @@ def _attach_root(model: nn.Module, root: RootRunner, adapter: ModelAdapter) -> N
 
     model.register_forward_pre_hook(enter, with_kwargs=True)
     model.register_forward_hook(leave, always_call=True)
+    model.register_load_state_dict_pre_hook(shard_full_tensors)
 
 
 def _move_buffers(model: nn.Module, device: torch.device) -> None:
