@@ -55,9 +55,13 @@ class ExecutionOrder:
 
     def __init__(self) -> None:
         self._last: Optional[Linked] = None
+        self.first: Optional[Linked] = None  # the block that first ran first in a forward
+        self.known = False  # a whole step (forward and backward) has been seen
 
     def record(self, block: Linked) -> None:
         last = self._last
+        if last is None and self.first is None:
+            self.first = block
         if last is not None and last is not block:
             if last.next_block is None:
                 last.next_block = block
@@ -120,6 +124,7 @@ class Engine:
         for participant in participants:
             participant.backward_done()
         self.order.restart()
+        self.order.known = True
 
 
 def engine(ctx: Optional[DistContext] = None) -> Engine:
