@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -94,6 +94,9 @@ class FlatBuffer:
         # False while the shard holds no values yet (a model built on the meta device); set by
         # materialisation or loading. Gathering garbage would train on it silently.
         self.initialized = True
+        # Writes of the shard still in flight (an offloading optimizer's copies back): a gather
+        # waits for each gate (set once the copy is queued) and then for its CUDA event.
+        self._writes: List[Tuple[Any, Any]] = []
 
     @property
     def dtype(self) -> torch.dtype:
@@ -114,6 +117,7 @@ class FlatBuffer:
                 "call bmtwrap.materialize(model) or load a checkpoint before running the model"
             )
         self.check_parameters()
+        self._wait_writes()
         storage = self.full.untyped_storage()
         nbytes = self.layout.padded_total * self.full.element_size()
         if storage.nbytes() != nbytes:
@@ -122,6 +126,16 @@ class FlatBuffer:
         with record_function(f"bmtwrap.all_gather:{self.label}"):
             self._gather = all_gather(self.ctx, self.full, self.local)
         self.state = ShardState.GATHERING
+
+    def await_write(self, gate: Any, event: Any) -> None:
+        """The next gather must wait for ``gate`` (a threading.Event) and then ``event`` (a CUDA event)."""
+        self._writes.append((gate, event))
+
+    def _wait_writes(self) -> None:
+        writes, self._writes = self._writes, []
+        for gate, event in writes:
+            gate.wait()
+            torch.cuda.current_stream(self.local.device).wait_event(event)
 
     def check_parameters(self) -> None:
         """Every parameter must still be a view of this buffer's shard."""
@@ -230,6 +244,19 @@ class ParamRegistry:
 
     def __init__(self) -> None:
         self._entries: Dict[int, Tuple["weakref.ref[nn.Parameter]", FlatBuffer, int]] = {}
+        self._replicated: Dict[int, "weakref.ref[nn.Parameter]"] = {}  # plain parameters outside blocks
+
+    def add_replicated(self, param: nn.Parameter) -> None:
+        key = id(param)
+        self._replicated[key] = weakref.ref(param, lambda _, k=key: self._replicated.pop(k, None))
+
+    def any_sharded(self) -> bool:
+        return bool(self._entries)
+
+    def is_known(self, param: torch.Tensor) -> bool:
+        """Sharded here, or a replicated parameter of a model that has sharded ones."""
+        ref = self._replicated.get(id(param))
+        return self.is_sharded(param) or (ref is not None and ref() is param)
 
     def add(self, buffer: FlatBuffer) -> None:
         for index, slot in enumerate(buffer.slots):

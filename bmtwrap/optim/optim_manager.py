@@ -21,6 +21,11 @@ class OptimManager:
     loss over its share of a batch gives the gradient of the mean over the whole batch, exactly
     as plain ``loss.backward()`` does.
 
+    Unscaling and clipping are one pending factor (``1 / loss_scale`` times the clipping
+    coefficient): bmtwrap's optimizers apply it while they read the gradients, so neither costs a
+    pass over memory; for any other optimizer it is applied to ``.grad`` just before its step.
+    So between ``backward`` and ``step`` the ``.grad`` tensors hold the scaled, unclipped values.
+
     Args:
         loss_scale: initial loss scale; ``None`` (default) disables scaling (fp32 or bf16).
         loss_scale_factor: the scale is divided by this on overflow and multiplied by it after
@@ -59,7 +64,7 @@ class OptimManager:
         self.steps_since_last_scale = 0
         self.optimizers: List[torch.optim.Optimizer] = []
         self.lr_schedulers: List[Optional[Any]] = []
-        self._unscaled = False
+        self._factor = 1.0  # what the gradients must still be multiplied by (unscale x clip)
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer, lr_scheduler: Optional[Any] = None) -> None:
         """Manage ``optimizer`` (any ``torch.optim.Optimizer``) and step ``lr_scheduler`` with it."""
@@ -78,19 +83,17 @@ class OptimManager:
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` with the loss scale applied."""
         self.scale_loss(loss).backward()
-        self._unscaled = False
+        self._factor = 1.0 / self.loss_scale if self.loss_scale_enabled else 1.0
 
     def zero_grad(self) -> None:
         for optimizer in self.optimizers:
             optimizer.zero_grad()
 
-    @torch.no_grad()
-    def _unscale(self) -> None:
-        if self.loss_scale_enabled and not self._unscaled:
-            for p in self._params():
-                if p.grad is not None:
-                    p.grad.div_(self.loss_scale)
-        self._unscaled = True
+    @staticmethod
+    def _fuses_scale(optimizer: torch.optim.Optimizer) -> bool:
+        from .adam import AdamOffloadOptimizer, AdamOptimizer
+
+        return isinstance(optimizer, (AdamOptimizer, AdamOffloadOptimizer))
 
     def _overflow(self) -> bool:
         ctx = engine().ctx
@@ -107,9 +110,9 @@ class OptimManager:
         """Scale the gradients of ``param_groups`` so that their global norm is at most ``max_norm``.
 
         The norm is over the whole (unsharded) gradient: shard norms are combined over ranks,
-        replicated parameters counted once. Returns the norm before clipping (unscaled).
+        replicated parameters counted once. Returns the norm before clipping (unscaled); the
+        clipping itself joins the pending factor that the step applies.
         """
-        self._unscale()
         eng = engine()
         ctx = eng.ctx
         params = [p for p in self._params(param_groups) if p.grad is not None]
@@ -136,10 +139,10 @@ class OptimManager:
             local = power_sum(sharded)
             dist.all_reduce(local, op=dist.ReduceOp.SUM, group=ctx.group)
             total = (local + power_sum(replicated)) ** (1.0 / norm_type)
-        coef = max_norm / (total + eps)
+        total = total * self._factor
+        coef = max_norm / (total.item() + eps)
         if coef < 1:
-            for p in params:
-                p.grad.mul_(coef.to(p.grad.dtype))
+            self._factor *= coef
         return total
 
     def step(self) -> bool:
@@ -152,14 +155,22 @@ class OptimManager:
         if self.loss_scale_enabled and self._overflow():
             self._set_scale(max(self.loss_scale / self.loss_scale_factor, self.min_loss_scale))
             self.zero_grad()
-            self._unscaled = False
+            self._factor = 1.0
             return False
-        self._unscale()
         for optimizer, scheduler in zip(self.optimizers, self.lr_schedulers):
-            optimizer.step()
+            if self._fuses_scale(optimizer):
+                optimizer.step(grad_scale=self._factor)
+            else:
+                if self._factor != 1.0:
+                    with torch.no_grad():
+                        for group in optimizer.param_groups:
+                            for p in group["params"]:
+                                if p.grad is not None:
+                                    p.grad.mul_(self._factor)
+                optimizer.step()
             if scheduler is not None:
                 scheduler.step()
-        self._unscaled = False
+        self._factor = 1.0
         if self.loss_scale_enabled:
             self.steps_since_last_scale += 1
             if self.steps_since_last_scale >= self.loss_scale_steps:
