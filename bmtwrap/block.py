@@ -103,8 +103,11 @@ class BlockRunner:
         self.use_checkpoint = use_checkpoint
         self.zero_level = zero_level
         self._engine: Engine = engine(ctx)
+        exclude = set(exclude)
         self.group: ParamGroup = build_group(ctx, self._engine.registry, module, name, self._reduced, reduce_dtype,
                                              exclude=exclude, allow_meta=allow_meta)
+        # Parameters under this module that another group (the root) owns: shared or tied weights.
+        self.reads_foreign = any(id(p) in exclude for p in module.parameters())
         # Told the bytes a recomputation kept alive (checkpoint="auto" measures with it); CUDA only.
         self.activation_probe: Optional[Callable[["BlockRunner", int], None]] = None
         self.next_block: Optional[BlockRunner] = None  # execution-order links (schedule.ExecutionOrder)
@@ -120,6 +123,7 @@ class BlockRunner:
     def run(self, call: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """Run ``call(*args, **kwargs)`` (the module's own forward) as this block."""
         eng = self._engine
+        eng.recover_if_stale()
         eng.order.record(self)
         self.group.prefetch()
         following = self.next_block
@@ -156,6 +160,13 @@ class BlockRunner:
         return out
 
     def _body(self, call: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        if self.reads_foreign and torch._C._current_graph_task_id() != -1:
+            # Recomputing in backward: the root has swapped its full views out since forward.
+            with self._engine.roots_shown():
+                return self._run_module(call, args, kwargs)
+        return self._run_module(call, args, kwargs)
+
+    def _run_module(self, call: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         views = self.group.unshard()
         self.group.swap_in(views)
         try:

@@ -70,6 +70,11 @@ class PendingReduction:
         self._full_grad = None
         self.buffer.accumulate_grad(shard)
 
+    def discard(self) -> None:
+        """Wait for the collective (its buffers must outlive it) and drop the result."""
+        self._pending.wait()
+        self._full_grad = None
+
 
 class FlatBuffer:
     """Parameters of one dtype and one ``requires_grad``, laid out flat (see [Note: flat layout])."""

@@ -80,6 +80,7 @@ class RootRunner:
         eng = self._engine
         if eng.active_root is not None or eng.block_depth > 0:
             return False
+        eng.recover_if_stale()
         eng.active_root = self
         eng.order.restart()
         self.group.prefetch()
@@ -87,7 +88,9 @@ class RootRunner:
             eng.order.first.group.prefetch()  # in flight together with the root's gather
         self.group.ensure_gathered()
         self.group.swap_in(self.group.unshard())
-        if torch.is_grad_enabled() and self.group.trainable:
+        if torch.is_grad_enabled():
+            # Even a frozen root stays gathered until backward ends: backward reads its weights to
+            # pass gradients down (a frozen LM head above trainable adapters).
             eng.forward_with_grad(self)
         return True
 
@@ -97,11 +100,26 @@ class RootRunner:
             return
         self._engine.active_root = None
         self.group.swap_out()
-        if not torch.is_grad_enabled() or not self.group.trainable:
+        if not torch.is_grad_enabled():
             self.group.release()
 
     def _reduced(self, group: ParamGroup, pending: List[PendingReduction]) -> None:
         self._engine.add_reductions(pending)
+
+    def show_for_recompute(self) -> bool:
+        """Show full views again while a block that reads root parameters recomputes in backward.
+
+        Detached: the recomputation only rebuilds saved values; gradients flow through the graph
+        recorded in forward. ``requires_grad`` matches so the same tensors are saved.
+        """
+        if not self.group.gathered:
+            return False
+        views = [view for buffer in self.group.buffers for view in buffer.views()]
+        self.group.swap_in([v.detach().requires_grad_(s.param.requires_grad) for v, s in zip(views, self.group.slots)])
+        return True
+
+    def hide(self) -> None:
+        self.group.swap_out()
 
     def backward_done(self) -> None:
         self.group.release()

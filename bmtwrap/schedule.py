@@ -16,7 +16,8 @@ it runs, and a prefetched block that does not run is released at the end of the 
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Protocol
+import contextlib
+from typing import Any, Dict, Iterator, List, Optional, Protocol
 
 import torch
 from torch.autograd import Variable
@@ -116,6 +117,33 @@ class Engine:
     def finish_reductions(self) -> None:
         while self._pending:
             self._pending.pop(0).finish()
+
+    @contextlib.contextmanager
+    def roots_shown(self) -> Iterator[None]:
+        """Roots that ran forward with grad show their full parameters (see RootRunner.show_for_recompute)."""
+        shown = [p for p in self._in_backward if getattr(p, "show_for_recompute", None) and p.show_for_recompute()]
+        try:
+            yield
+        finally:
+            for participant in shown:
+                participant.hide()
+
+    def recover_if_stale(self) -> None:
+        """A new forward starts while a backward never finished (it raised, and the caller went on).
+
+        Its reductions are waited for and dropped (the caller has zeroed or will zero the
+        gradients; adding them later would corrupt the next step) and its participants released.
+        """
+        if self._callback_task == -1 or torch._C._current_graph_task_id() != -1:
+            return
+        pending, self._pending = self._pending, []
+        for reduction in pending:
+            reduction.discard()
+        participants, self._in_backward = self._in_backward, []
+        for participant in participants:
+            participant.backward_done()
+        self._callback_task = -1
+        self.order.restart()
 
     def _backward_finished(self) -> None:
         self._callback_task = -1
