@@ -7,7 +7,7 @@ support for another library is another adapter.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Tuple
 
 from torch import nn
 
@@ -18,11 +18,7 @@ class ModelAdapter:
     """Plain ``nn.Module`` models: nothing to prepare; modules initialise with ``reset_parameters``."""
 
     def prepare(self, model: nn.Module) -> None:
-        """Called once before sharding."""
-
-    def forward_kwargs(self, model: nn.Module, kwargs: Dict[str, Any]) -> Dict[str, Any]:
-        """Adjust the root forward's keyword arguments (called at every forward)."""
-        return kwargs
+        """Called once before sharding; may register hooks on the model."""
 
     def initializer(self, model: nn.Module) -> Callable[[nn.Module], None]:
         """A function that initialises one module's own parameters and buffers in place."""
@@ -41,7 +37,10 @@ def _is_hf_model(model: nn.Module) -> bool:
 
 
 class HFAdapter(ModelAdapter):
-    """Hugging Face Transformers models.
+    """Hugging Face Transformers models, also inside a wrapper (a peft model, say).
+
+    ``hf`` is the outermost ``PreTrainedModel`` in the tree: the model itself, or the one a
+    wrapper holds.
 
     - HF's own activation checkpointing is switched off: bmtwrap's blocks replace it.
     - ``_is_fsdp_managed_module = True`` makes ``generate()`` keep every rank stepping until all
@@ -52,21 +51,22 @@ class HFAdapter(ModelAdapter):
       also recomputes non-persistent buffers such as rotary ``inv_freq``.
     """
 
+    def __init__(self, hf: nn.Module) -> None:
+        self.hf = hf
+
     def prepare(self, model: nn.Module) -> None:
+        hf = self.hf
         # Transformers renamed gradient checkpointing to activation checkpointing; ask the newest name first.
         for flag, disable in (("is_activation_checkpointing", "activation_checkpointing_disable"),
                               ("is_gradient_checkpointing", "gradient_checkpointing_disable")):
-            if hasattr(type(model), flag):
-                if getattr(model, flag):
-                    getattr(model, disable)()
+            if hasattr(type(hf), flag):
+                if getattr(hf, flag):
+                    getattr(hf, disable)()
                 break
+        hf._is_fsdp_managed_module = True
         model._is_fsdp_managed_module = True
-        self._takes_use_cache = "use_cache" in inspect.signature(model.forward).parameters
-
-    def forward_kwargs(self, model: nn.Module, kwargs: Dict[str, Any]) -> Dict[str, Any]:
-        if model.training and self._takes_use_cache and "use_cache" not in kwargs:
-            kwargs = dict(kwargs, use_cache=False)
-        return kwargs
+        if "use_cache" in inspect.signature(hf.forward).parameters:
+            hf.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
 
     def initializer(self, model: nn.Module) -> Callable[[nn.Module], None]:
         owners: Dict[int, nn.Module] = {}
@@ -84,5 +84,15 @@ class HFAdapter(ModelAdapter):
         return init
 
 
+def _no_cache_in_training(module: nn.Module, args: Tuple[Any, ...],
+                          kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    # A key/value cache is useless in training, costs memory, and would be appended to again when a
+    # checkpointed block recomputes.
+    if module.training and "use_cache" not in kwargs:
+        kwargs = dict(kwargs, use_cache=False)
+    return args, kwargs
+
+
 def adapter_for(model: nn.Module) -> ModelAdapter:
-    return HFAdapter() if _is_hf_model(model) else ModelAdapter()
+    hf = next((m for m in model.modules() if _is_hf_model(m)), None)
+    return HFAdapter(hf) if hf is not None else ModelAdapter()

@@ -173,16 +173,14 @@ def _install_forward(module: nn.Module, runner: BlockRunner) -> None:
     module.forward = forward
 
 
-def _attach_root(model: nn.Module, root: RootRunner, adapter: ModelAdapter) -> None:
-    def enter(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
-        kwargs = adapter.forward_kwargs(module, kwargs)
+def _attach_root(model: nn.Module, root: RootRunner) -> None:
+    def enter(module: nn.Module, args: Tuple[Any, ...]) -> None:
         root.enter()
-        return args, kwargs
 
     def leave(module: nn.Module, args: Any, output: Any) -> None:
         root.exit()
 
-    model.register_forward_pre_hook(enter, with_kwargs=True)
+    model.register_forward_pre_hook(enter)
     model.register_forward_hook(leave, always_call=True)
     model.register_load_state_dict_pre_hook(shard_full_tensors)
 
@@ -280,7 +278,7 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
     root_group = build_group(ctx, eng.registry, model, "root", lambda g, p: None, reduce_dtype,
                              exclude=owned, allow_meta=True)
     root = RootRunner(eng, root_group, replicated=[])
-    _attach_root(model, root, adapter)
+    _attach_root(model, root)
     stale = [m for m in model.modules()
              if any(b is not None and b.is_meta and n in m._non_persistent_buffers_set for n, b in m._buffers.items())]
     _move_buffers(model, ctx.device)
