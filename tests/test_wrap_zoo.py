@@ -1,0 +1,93 @@
+"""``bmt.wrap`` on many architectures equals the same model unwrapped, at world sizes 1 to 3 (gloo, CPU).
+
+tests/dist_cases/zoo.py runs every case in one process group per world size (Transformers is
+imported once per process): Hugging Face models built from tiny configs (GPT-2, Llama with tied
+and untied embeddings, BERT, T5, Qwen2, Mistral, OPT, ViT, Mixtral, Qwen2-MoE, Gemma 3, Phi-3,
+BART) and plain torch models (a ModuleList transformer, an nn.Sequential stack, a residual CNN, an
+MLP cut by size, a layer reused at two depths, tied weights (a matmul with the embedding, a Linear
+sharing it, one Linear weight shared by two blocks), a LoRA adapter over a frozen base, steps that
+run fewer blocks or another order, training on after a failed backward).
+
+Each case: the detected blocks; three AdamW steps, the reference on the whole batch of 6, each rank
+on its share, comparing at every step the loss averaged over ranks and every gradient, then every
+parameter and the state-dict keys. The runs are in float64; zoo.py's docstring says why, and
+its [Note: gradients that are zero in exact arithmetic] how gradients are compared.
+
+Limits. Loss: relative 1e-5. Gradients: 1e-5 of the tensor's largest value (floored at 1e-4 of the
+model's largest gradient). Parameters after three steps: absolute 1e-5. The rounding the runs show
+is far below: ~1e-15 for plain models; up to ~1e-6 for Hugging Face models whose RMSNorm and
+losses compute in float32 even in a float64 model. A missed, doubled or stale gradient is off by
+O(1) relative and moves parameters by ~lr = 1e-3.
+"""
+
+import pytest
+
+from launch import run_cases
+
+WORLD_SIZES = [1, 2, 3]
+HF_CASES = ["gpt2", "llama_tied", "llama_untied", "bert_mlm", "t5", "qwen2", "mistral", "opt", "vit", "mixtral",
+            "qwen2_moe", "gemma3", "phi3", "bart"]
+PLAIN_CASES = ["plain_transformer", "sequential_stack", "cnn_residual", "mlp_by_size", "layer_reuse_0101",
+               "tied_embedding_matmul", "tied_head_linear", "shared_linear_across_blocks", "varying_order",
+               "lora_llama", "recover_after_failed_backward"]
+CASES = HF_CASES + PLAIN_CASES
+
+LOSS_REL = 1e-5
+GRAD_REL = 1e-5
+PARAM_ABS = 1e-5
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
+def results(request):
+    return request.param, run_cases("zoo.py", request.param)
+
+
+def _case(results, name, *, need_training=True):
+    world, all_results = results
+    assert name in all_results, f"world {world}: zoo.py reported no case {name!r}"
+    result = all_results[name]
+    if "skipped" in result:
+        pytest.skip(result["skipped"])
+    if need_training:
+        assert "error" not in result, f"world {world}, {name}: {result['error']}"
+    return world, result
+
+
+def test_every_case_reported(results):
+    world, all_results = results
+    assert sorted(all_results) == sorted(CASES), f"world {world}: zoo.py ran {sorted(all_results)}"
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_detected_blocks(results, name):
+    world, r = _case(results, name, need_training=False)
+    assert "blocks" in r, f"world {world}, {name}: failed before planning: {r.get('error')}"
+    if r["expected"] is None:
+        detail = f"rule {r['rule']!r}, blocks {r['blocks']}"
+        assert r["blocks_ok"], f"world {world}, {name}: expected more than one block cut by size, got {detail}"
+    else:
+        assert r["blocks_ok"], f"world {world}, {name}: detected blocks {r['blocks']}, expected one of {r['expected']}"
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_training_matches_unwrapped(results, name):
+    world, r = _case(results, name)
+    where = f"world {world}, {name}"
+    assert r["keys_match"], f"{where}: full_state_dict keys differ from the unwrapped model's state_dict keys"
+    assert r["grad_keys_match"], f"{where}: full_grad_dict keys differ from the unwrapped model's parameter names"
+    assert r["loss_rel"] <= LOSS_REL, (
+        f"{where}: loss differs by {r['loss_rel']:.3g} (relative); per step {r['loss_rel_per_step']}")
+    assert r["grad_rel"] <= GRAD_REL, (
+        f"{where}: gradient of {r['grad_worst']} at step {r['grad_worst_step']} differs by {r['grad_worst_abs']:.3g} "
+        f"({r['grad_rel']:.3g} relative; its largest reference value {r['grad_worst_scale']:.3g}); "
+        f"per step {r['grad_rel_per_step']}")
+    assert r["param_abs"] <= PARAM_ABS, (
+        f"{where}: after the AdamW steps {r['param_worst']} differs by {r['param_abs']:.3g}")
+
+
+def test_lora_trains_only_the_adapters(results):
+    world, r = _case(results, "lora_llama")
+    assert r["n_trainable"] > 0 and not r["trainable_not_lora"], f"world {world}: trainable: {r['trainable_not_lora']}"
+    assert not r["lora_without_grad"], f"world {world}: LoRA parameters without a gradient: {r['lora_without_grad']}"
+    assert not r["frozen_with_grad"], f"world {world}: frozen parameters with a gradient: {r['frozen_with_grad']}"
+    assert not r["frozen_changed"], f"world {world}: frozen parameters changed by AdamW: {r['frozen_changed']}"
