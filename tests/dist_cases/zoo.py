@@ -1,14 +1,17 @@
 """``bmt.wrap`` on a zoo of models, each against an unwrapped copy of itself, in one process group.
 
-Every case builds a tiny model (``torch.manual_seed(0)``, no downloads), deep-copies it as the
-reference *before* wrapping, wraps the original, and checks:
+Every case runs twice, in float64 and then in float32 (all float64 runs first; rank 0 reports
+"<case>/float64" and "<case>/float32"). A run builds a tiny model (``torch.manual_seed(0)``, no
+downloads; built in float32, then converted to the run's dtype), deep-copies it as the reference
+*before* wrapping, wraps the original, and checks:
 
 1. the blocks ``bmt.plan`` detects on the reference (the plan ``wrap`` applies) are the expected ones;
-2. ``STEPS`` training steps (AdamW, lr 1e-3, eps 1e-6): the reference runs the whole batch of
-   ``BATCH`` samples, each rank of the wrapped model its ``BATCH / world`` share. At every step the
-   loss averaged over ranks (``bmt.sum_loss``) and every gradient (``bmt.full_grad_dict``) are
-   compared with the reference's before both optimizers step; the first step is the "one forward
-   and backward" check, the later ones run on the updated weights with new batches;
+2. ``STEPS`` training steps (AdamW, lr 1e-3, eps 1e-6), each rank of the wrapped model on its
+   ``BATCH / world`` share of the step's batch of ``BATCH`` samples, the reference as below. At
+   every step the loss averaged over ranks (``bmt.sum_loss``) and every gradient
+   (``bmt.full_grad_dict``) are compared with the reference's before both optimizers step; the
+   first step is the "one forward and backward" check, the later ones run on the updated weights
+   with new batches;
 3. after the steps, ``bmt.full_state_dict`` against ``ref.state_dict()``: same keys, every value.
 
 Dropout, layer drop and router jitter are off in every config, and models stay in ``train()`` mode
@@ -16,19 +19,40 @@ so the training code paths run. Losses are means over equal-sized shares (no ign
 positions, no auxiliary router losses), so the mean of the ranks' losses is the whole batch's loss
 and averaged gradients are the whole batch's gradients.
 
-Precision: float64 (models are built in float32 under the seed, then converted). In float32 the
-reference's whole-batch sums and the ranks' per-share means round differently, and Adam turns that
-rounding into differences near the limits themselves: splitting a batch three ways *without*
-bmtwrap already moves parameters by up to 9e-6 after three steps (tied_embedding_matmul) and
-gradients by 6e-6 relative (gpt2). In float64 the same split agrees to ~1e-14 (Hugging Face
-models whose RMSNorm computes in float32 whatever the model's dtype: ~1e-6), so the limits in
-tests/test_wrap_zoo.py are far above rounding, while an engine fault (a gradient missed, doubled or
-stale, a stale gather) still moves gradients by O(1) and parameters by ~lr = 1e-3. For the same
-reason causal LMs' losses are computed here from the logits (see :func:`causal_lm_loss`) and MoE
-experts run Transformers' "eager" implementation (its grouped_mm has no float64 CPU kernel).
+float64, against the whole batch: the reference runs all ``BATCH`` samples in one forward and
+backward. Splitting a batch changes only the rounding, ~1e-14 in float64 (~1e-6 for Hugging Face
+models that compute parts in float32 whatever the model's dtype, RMSNorm for one), so this
+run shows that the wrapped model trains as the unwrapped one does on the whole batch, with limits
+(tests/test_wrap_zoo.py) far above rounding, while an engine fault (a gradient missed, doubled or
+stale, a stale gather) still moves gradients by O(1) and parameters by ~lr = 1e-3.
 
-Arguments: 1: where rank 0 writes {case: result}; 2 (optional): comma-separated case names or
-"all"; 3 (optional): "float32" to run in float32 instead (for looking, not for the tests).
+float32, against the same split: the precision of the spec (loss and gradients relative 1e-5,
+parameters after three AdamW steps 1e-5 absolute). Here the whole batch and a split of it differ by
+rounding near those limits, bmtwrap or not (measured against a whole-batch reference: gradients
+1.5e-5 relative (gpt2, opt, world 3), parameters 1.6e-5 (tied_head_linear, world 3)). So the
+reference computes what data-parallel training computes on the same split
+(:func:`reference_step`): in this one process, each rank's share alone from zeroed gradients, the
+shares' gradients summed in rank order and divided by the world size, the loss the mean of the
+shares' losses; its AdamW steps on those averaged gradients. This run shows that bmtwrap computes
+what DDP computes, to float32 rounding. What is left is the order of sums, measured: at world sizes
+1 and 2 every loss, gradient and parameter is bitwise equal except in t5 and bart (the encoder's
+output feeds every decoder block, and the sum of their gradient contributions is associated
+differently when each block's backward is one autograd node: decoder gradients bitwise equal, the
+encoder output's gradient within half an ulp of its largest value) and layer_reuse_0101 at world
+2 (a block run twice reduces after each use: (B0+B1)/2 + (A0+A1)/2, not ((A0+B0)+(A1+B1))/2). At
+world 3 gloo adds the three shares in an order that varies by element: at the first step every
+element of every gradient is exactly one of ((g0+g1)+g2)/3, ((g0+g2)+g1)/3, ((g1+g2)+g0)/3 (again
+except t5, bart, layer_reuse_0101). The largest parameter differences (up to 8.3e-6 after three
+steps, world 3, tied_head_linear) are key biases: their gradient is zero in exact arithmetic (see
+[Note: gradients that are zero in exact arithmetic]), float32 noise of ~1e-9 whose sign depends on
+the order of the sums, and a change of ~1e-8 in such a gradient changes its AdamW step (eps 1e-6)
+by up to ~lr * 1e-8 / 1e-6 = 1e-5.
+
+Causal LMs' losses are computed here from the logits (see :func:`causal_lm_loss`) in both runs,
+and MoE experts run Transformers' "eager" implementation (its grouped_mm has no float64 CPU kernel).
+
+Arguments: 1: where rank 0 writes {"<case>/<dtype>": result}; 2 (optional): comma-separated case
+names or "all"; 3 (optional): comma-separated dtypes ("float64", "float32") or "all".
 """
 
 from __future__ import annotations
@@ -59,7 +83,10 @@ SEQ = 8
 VOCAB = 64
 STEPS = 3
 LR, EPS = 1e-3, 1e-6  # as tests/test_parity.py: a missed or doubled gradient moves a weight by ~lr
-DTYPE = torch.float32 if len(sys.argv) > 3 and sys.argv[3] == "float32" else torch.float64
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+# The reference each precision is compared with (see the module docstring).
+WHOLE_BATCH, SPLIT = "whole batch", "mean over the ranks' shares"
+REFERENCE = {"float64": WHOLE_BATCH, "float32": SPLIT}
 
 Batch = Dict[str, Any]
 Expected = Union[Sequence[Sequence[str]], Callable[[Any], bool]]
@@ -236,7 +263,8 @@ class Layer(nn.Module):
         super().__init__()
         self.heads = heads
         self.norm1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
+        # No bias: a key bias has zero gradient, whose rounding noise Adam turns into step-sized differences.
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
         self.proj = nn.Linear(dim, dim)
         self.norm2 = nn.LayerNorm(dim)
         self.up = nn.Linear(dim, 2 * dim)
@@ -373,14 +401,51 @@ CASES_BY_NAME: Dict[str, Case] = {**HF_CASES, **PLAIN_CASES}
 
 
 # --- the check --------------------------------------------------------------------------------------
-def in_dtype(batch: Batch) -> Batch:
-    return {k: v.to(DTYPE) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in batch.items()}
+def in_dtype(batch: Batch, dtype: torch.dtype) -> Batch:
+    return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in batch.items()}
+
+
+def share_of(batch: Batch, rank: int, world: int) -> Batch:
+    """The samples rank ``rank`` of ``world`` trains on (tensors cut along the sample dimension)."""
+    size = BATCH // world
+    return {k: v[rank * size:(rank + 1) * size] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def my_share(batch: Batch) -> Batch:
-    rank, world = bmt.rank(), bmt.world_size()
-    share = BATCH // world
-    return {k: v[rank * share:(rank + 1) * share] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return share_of(batch, bmt.rank(), bmt.world_size())
+
+
+def reference_step(case: Case, ref: nn.Module, batch: Batch, reference: str) -> float:
+    """Forward and backward of the unwrapped ``ref`` (its gradients zeroed before); returns the loss.
+
+    ``WHOLE_BATCH``: one forward and backward on the whole batch. ``SPLIT``: what data-parallel
+    training computes on the same split, in this one process: each rank's share alone, forward and
+    backward from zeroed gradients (what that rank holds before the reduction), then the shares'
+    gradients summed in rank order and divided by the world size; the loss is the mean of the
+    shares' losses. (Letting autograd accumulate the shares into ``.grad`` instead would associate
+    the sum differently wherever one backward adds several contributions to a parameter, a layer
+    used twice, say.) A parameter no share gives a gradient keeps none.
+    """
+    if reference == WHOLE_BATCH:
+        loss = case.loss(ref, batch)
+        loss.backward()
+        return loss.item()
+    world = bmt.world_size()
+    params = list(ref.parameters())
+    sums: List[Optional[torch.Tensor]] = [None] * len(params)
+    losses = []
+    for rank in range(world):
+        for p in params:
+            p.grad = None
+        loss = case.loss(ref, share_of(batch, rank, world))
+        loss.backward()
+        losses.append(loss.detach())
+        for i, p in enumerate(params):
+            if p.grad is not None:
+                sums[i] = p.grad.clone() if sums[i] is None else sums[i] + p.grad
+    for p, total in zip(params, sums):
+        p.grad = None if total is None else total / world
+    return (torch.stack(losses).sum() / world).item()
 
 
 class GradDiff(NamedTuple):
@@ -389,39 +454,46 @@ class GradDiff(NamedTuple):
     raw_rel: float  # diff / scale
     diff: float  # max |ours - reference|
     scale: float  # max |reference|
+    floor: float  # ZERO_GRAD_FLOOR * the model's largest gradient
 
 
 # [Note: gradients that are zero in exact arithmetic]
 # Some gradients vanish mathematically and are pure rounding noise: a key projection's bias
-# (softmax ignores a shift shared by all keys) gets ~1e-11 where other gradients are ~1e-1 (OPT and
-# ViT here; float32 noise, as their models compute parts in float32 even in a float64 run).
-# Relative to its own size such noise differs by 100%, whatever the engine does. So a tensor's
-# difference is taken relative to its largest value, but at least ZERO_GRAD_FLOOR times the
-# largest gradient of the whole model. A gradient missed or counted twice still fails: it is off by
-# its own size s, i.e. by s / max(s, 1e-4 G) >= 1e-5 whenever s >= 1e-9 G. `raw_rel` reports the
-# plain per-tensor ratio as well.
+# (softmax ignores a shift shared by all keys) gets ~1e-11 or less where other gradients are ~1e-1
+# (BERT, OPT, ViT and BART here, in both dtypes). Relative to its own size such noise differs by
+# 100% or more, whatever the engine does. So a tensor's difference is taken relative to its largest
+# value, but at least ZERO_GRAD_FLOOR times the largest gradient of the whole model. A gradient
+# missed or counted twice still fails: it is off by its own size s, i.e. by s / max(s, 1e-4 G) >=
+# 1e-5 whenever s >= 1e-9 G. `raw_rel` reports the plain per-tensor ratio as well (and results'
+# "grad_raw_rel" the largest over all tensors).
 ZERO_GRAD_FLOOR = 1e-4
 
 
-def worst_grad(ours: Dict[str, torch.Tensor], ref: nn.Module) -> GradDiff:
-    """The gradient furthest from the reference's (see [Note: gradients that are zero in exact arithmetic]).
+def worst_grads(ours: Dict[str, torch.Tensor], ref: nn.Module) -> Tuple[GradDiff, GradDiff]:
+    """The gradients furthest from the reference's: by the floored ratio (the one the tests bound,
+    see [Note: gradients that are zero in exact arithmetic]) and by the raw per-tensor ratio.
 
     A parameter without a gradient counts as a zero gradient on either side.
     """
     expected = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).double() for n, p in ref.named_parameters()}
     largest = max((g.abs().max().item() for g in expected.values() if g.numel()), default=0.0)
-    worst: Optional[GradDiff] = None
+    none = GradDiff("", 0.0, 0.0, 0.0, 0.0, ZERO_GRAD_FLOOR * largest)
+    worst, worst_raw = none, none
     for name, expect in expected.items():
         if name not in ours:
-            return GradDiff(name, float("inf"), float("inf"), float("inf"), 0.0)
+            missing = GradDiff(name, float("inf"), float("inf"), float("inf"), 0.0, ZERO_GRAD_FLOOR * largest)
+            return missing, missing
         diff = (ours[name].double() - expect).abs().max().item() if expect.numel() else 0.0
         scale = expect.abs().max().item() if expect.numel() else 0.0
         floor = max(scale, ZERO_GRAD_FLOOR * largest)
         rel = diff / floor if floor > 0 else (float("inf") if diff > 0 else 0.0)
         raw = diff / scale if scale > 0 else (float("inf") if diff > 0 else 0.0)
-        if worst is None or rel > worst.rel:
-            worst = GradDiff(name, rel, raw, diff, scale)
-    return worst or GradDiff("", 0.0, 0.0, 0.0, 0.0)
+        here = GradDiff(name, rel, raw, diff, scale, ZERO_GRAD_FLOOR * largest)
+        if not worst.name or rel > worst.rel:
+            worst = here
+        if not worst_raw.name or raw > worst_raw.raw_rel:
+            worst_raw = here
+    return worst, worst_raw
 
 
 def worst_param(ours: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor]) -> Tuple[str, float]:
@@ -445,11 +517,11 @@ class _FailInBackward(torch.autograd.Function):
         raise RuntimeError("injected failure in backward")
 
 
-def failed_backward(case: Case, model: nn.Module, first_block: str) -> str:
+def failed_backward(case: Case, model: nn.Module, first_block: str, dtype: torch.dtype) -> str:
     """A forward and a backward that raises between the first block and the rest; returns the error."""
     hook = model.get_submodule(first_block).register_forward_hook(lambda m, a, out: _FailInBackward.apply(out))
     try:
-        case.loss(model, my_share(in_dtype(case.batch(0)))).backward()
+        case.loss(model, my_share(in_dtype(case.batch(0), dtype))).backward()
     except RuntimeError as error:
         return str(error)
     finally:
@@ -464,10 +536,13 @@ def frozen_grads_held(model: nn.Module) -> int:
     return int(count)
 
 
-def check(case: Case, result: Dict[str, Any]) -> None:
-    """Run one case, filling ``result`` as it goes (so a failure still reports what came before)."""
+def check(case: Case, dtype_name: str, result: Dict[str, Any]) -> None:
+    """Run one case in one precision, filling ``result`` as it goes (so a failure still reports
+    what came before)."""
+    dtype, reference = DTYPES[dtype_name], REFERENCE[dtype_name]
+    result.update(dtype=dtype_name, reference=reference)
     torch.manual_seed(0)
-    model = case.build().to(DTYPE)
+    model = case.build().to(dtype)
     model.train()
     ref = copy.deepcopy(model)
     plan = bmt.plan(ref)
@@ -485,30 +560,36 @@ def check(case: Case, result: Dict[str, Any]) -> None:
     make = lambda params: torch.optim.AdamW(params, lr=LR, eps=EPS)
     opt_ref, opt = make(ref.parameters()), make(model.parameters())
     if case.fail_once:
-        result["injected"] = failed_backward(case, model, plan.block_names[0])
-    result.update(loss_rel_per_step=[], grad_rel_per_step=[], grad_keys_match=True)
+        result["injected"] = failed_backward(case, model, plan.block_names[0], dtype)
+    result.update(loss_rel_per_step=[], grad_rel_per_step=[], grad_raw_rel_per_step=[], grad_keys_match=True)
     worst: Optional[GradDiff] = None
+    worst_raw: Optional[GradDiff] = None
     frozen_with_grad: List[str] = []
     adapters_without_grad: List[str] = []
     for step in range(STEPS):
-        batch = in_dtype(case.batch(step))
+        batch = in_dtype(case.batch(step), dtype)
         opt_ref.zero_grad()
         opt.zero_grad()
-        ref_loss = case.loss(ref, batch)
-        ref_loss.backward()
+        ref_loss = reference_step(case, ref, batch, reference)
         loss = case.loss(model, my_share(batch))
         loss.backward()
         mean = bmt.sum_loss(loss).double().item()
-        result["loss_rel_per_step"].append(abs(mean - ref_loss.item()) / abs(ref_loss.item()))
+        result["loss_rel_per_step"].append(abs(mean - ref_loss) / abs(ref_loss))
         result["loss_rel"] = max(result["loss_rel_per_step"])
         grads = bmt.full_grad_dict(model)
         result["grad_keys_match"] &= sorted(grads) == sorted(n for n, _ in ref.named_parameters())
-        diff = worst_grad(grads, ref)
+        diff, raw = worst_grads(grads, ref)
         result["grad_rel_per_step"].append(diff.rel)
+        result["grad_raw_rel_per_step"].append(raw.raw_rel)
         if worst is None or diff.rel > worst.rel:
             worst = diff
             result.update(grad_worst=diff.name, grad_rel=diff.rel, grad_worst_raw_rel=diff.raw_rel,
-                          grad_worst_abs=diff.diff, grad_worst_scale=diff.scale, grad_worst_step=step)
+                          grad_worst_abs=diff.diff, grad_worst_scale=diff.scale, grad_floor=diff.floor,
+                          grad_worst_step=step)
+        if worst_raw is None or raw.raw_rel > worst_raw.raw_rel:
+            worst_raw = raw
+            result.update(grad_raw_worst=raw.name, grad_raw_rel=raw.raw_rel, grad_raw_worst_abs=raw.diff,
+                          grad_raw_worst_scale=raw.scale, grad_raw_worst_step=step)
         if case.lora:
             frozen_with_grad += [n for n in frozen if ref.get_parameter(n).grad is not None or grads[n].any()]
             if frozen_grads_held(model):
@@ -529,8 +610,9 @@ def check(case: Case, result: Dict[str, Any]) -> None:
         result["frozen_changed"] = [n for n in frozen if not torch.equal(ours[n], initial[n])]
 
 
-def isolated(case: Case) -> Dict[str, Any]:
-    """``check(case)``; a fresh engine afterwards if the case raised or broke a backward on purpose.
+def isolated(case: Case, dtype_name: str) -> Dict[str, Any]:
+    """``check(case, dtype_name)``; a fresh engine afterwards if the case raised or broke a backward
+    on purpose.
 
     An exception inside backward leaves bmtwrap's engine mid-step (see the case
     "recover_after_failed_backward"), which would make every later case fail for that reason
@@ -539,7 +621,7 @@ def isolated(case: Case) -> Dict[str, Any]:
     """
     result: Dict[str, Any] = {}
     try:
-        check(case, result)
+        check(case, dtype_name, result)
     except Exception:  # reported per case, with whatever the case measured before
         current_context().engine = None
         result["error"] = f"rank {bmt.rank()}: {traceback.format_exc()}"
@@ -553,15 +635,22 @@ def skipped(reason: str) -> Callable[[], Dict[str, Any]]:
     return lambda: {"skipped": reason}
 
 
+def result_key(name: str, dtype_name: str) -> str:
+    return f"{name}/{dtype_name}"
+
+
 def cases() -> Dict[str, Callable[[], Dict[str, Any]]]:
+    """Every wanted case in every wanted precision: all float64 runs, then all float32 runs."""
     wanted = sys.argv[2].split(",") if len(sys.argv) > 2 and sys.argv[2] != "all" else list(CASES_BY_NAME)
+    dtypes = sys.argv[3].split(",") if len(sys.argv) > 3 and sys.argv[3] != "all" else list(DTYPES)
     out: Dict[str, Callable[[], Dict[str, Any]]] = {}
-    for name in wanted:
-        case = CASES_BY_NAME[name]
-        if case.lora and peft is None:
-            out[name] = skipped("peft is not installed (pip install peft)")
-        else:
-            out[name] = lambda case=case: isolated(case)
+    for dtype_name in dtypes:
+        for name in wanted:
+            case = CASES_BY_NAME[name]
+            if case.lora and peft is None:
+                out[result_key(name, dtype_name)] = skipped("peft is not installed (pip install peft)")
+            else:
+                out[result_key(name, dtype_name)] = lambda case=case, d=dtype_name: isolated(case, d)
     return out
 
 
