@@ -88,7 +88,10 @@ extension = Pybind11Extension(  # a single module file, bmtwrap/_C.<abi>.so
     include_dirs=["csrc"],
     depends=[*CUDA_SOURCES, *HEADERS],
     cxx_std=17,
-    extra_compile_args=["-O3", "-pthread"],
+    # -ffp-contract=off: the compiler must not fuse a*b+c on its own (GCC does by default in C++, and inside
+    # functions built for FMA targets), or results would depend on the ISA path; kernels that want an FMA
+    # call it explicitly. See [Note: matching torch bit for bit] in csrc/cpu/adam.cpp.
+    extra_compile_args=["-O3", "-pthread", "-ffp-contract=off"],
     extra_link_args=["-pthread"],
 )
 

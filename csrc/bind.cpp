@@ -2,13 +2,20 @@
 // every tensor before its pointer arrives here (see [Note: tensors crossing into C++] in common.h).
 // Kernels release the GIL: they only touch memory the caller keeps alive for the duration of the call.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
 
 #include "common.h"
+#include "cpu/adam.h"
 #include "cpu/inf_nan.h"
 #ifdef BMTWRAP_WITH_CUDA
 #include "cuda/inf_nan.h"
+#endif
+// CUDA fused Adam and cross-entropy (cuda/adam.h, cuda/cross_entropy.h)
+#ifdef BMTWRAP_WITH_CUDA
+#include "cuda/adam.h"
+#include "cuda/cross_entropy.h"
 #endif
 
 namespace py = pybind11;
@@ -37,10 +44,59 @@ PYBIND11_MODULE(_C, m) {
         py::call_guard<py::gil_scoped_release>(),
         "True if any of the numel elements at host address ptr is +-inf or nan. num_threads=0: all cores.");
 
+  // ---------------------------------------------------------------------------- CPU Adam (cpu/adam.h)
+  using bmtwrap::cpu::CpuIsa;
+  py::enum_<CpuIsa>(m, "CpuIsa", "Instruction sets of the CPU kernels; `best` is the widest this CPU supports.")
+      .value("best", CpuIsa::kBest)
+      .value("scalar", CpuIsa::kScalar)
+      .value("avx2", CpuIsa::kAvx2)
+      .value("avx512", CpuIsa::kAvx512);
+  m.def("cpu_best_isa", &bmtwrap::cpu::cpu_best_isa, "What CpuIsa.best stands for on this CPU.");
+  m.def("cpu_supported_isas", &bmtwrap::cpu::cpu_supported_isas,
+        "The instruction sets this CPU supports, scalar first (best excluded).");
+  m.def(
+      "adam_cpu",
+      [](std::uintptr_t param_ptr, std::uintptr_t grad_ptr, bmtwrap::DType grad_dtype, std::uintptr_t exp_avg_ptr,
+         std::uintptr_t exp_avg_sq_ptr, int64_t numel, double lr, double beta1, double beta2, double eps,
+         double weight_decay, int64_t step, double grad_scale, bool decoupled, std::uintptr_t out_ptr,
+         bmtwrap::DType out_dtype, int num_threads, CpuIsa isa) {
+        const bmtwrap::cpu::AdamHyper hyper{lr, beta1, beta2, eps, weight_decay, step, grad_scale, decoupled};
+        bmtwrap::cpu::adam_cpu(param_ptr, grad_ptr, grad_dtype, exp_avg_ptr, exp_avg_sq_ptr, numel, hyper, out_ptr,
+                               out_dtype, num_threads, isa);
+      },
+      "param_ptr"_a, "grad_ptr"_a, "grad_dtype"_a, "exp_avg_ptr"_a, "exp_avg_sq_ptr"_a, "numel"_a, "lr"_a,
+      "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "step"_a, "grad_scale"_a, "decoupled"_a, "out_ptr"_a,
+      "out_dtype"_a, "num_threads"_a = 0, "isa"_a = CpuIsa::kBest, py::call_guard<py::gil_scoped_release>(),
+      "One Adam (decoupled=False) or AdamW step over numel host elements, in place: param, exp_avg, exp_avg_sq "
+      "fp32; grad of grad_dtype, multiplied by grad_scale on load; when out_ptr != 0, the new param rounded "
+      "to out_dtype (float16 or bfloat16) at out_ptr. Matches torch.optim.AdamW bit for bit on finite inputs. "
+      "num_threads=0: all cores.");
+
 #ifdef BMTWRAP_WITH_CUDA
   m.def("has_inf_nan_cuda", &bmtwrap::cuda::has_inf_nan_cuda, "ptr"_a, "numel"_a, "dtype"_a, "flag_ptr"_a,
         "stream"_a, py::call_guard<py::gil_scoped_release>(),
         "Enqueue on stream a kernel that writes 1 to the uint8 at flag_ptr if any of the numel elements at "
         "device address ptr is +-inf or nan. Never writes 0. Runs on the current CUDA device.");
+#endif
+
+  // ------------------------------------------ CUDA fused Adam and cross-entropy (cuda/adam.h, cross_entropy.h)
+#ifdef BMTWRAP_WITH_CUDA
+  m.def("adam_cuda", &bmtwrap::cuda::adam_cuda, "param"_a, "grad"_a, "grad_dtype"_a, "exp_avg"_a, "exp_avg_sq"_a,
+        "numel"_a, "lr"_a, "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "step"_a, "grad_scale"_a, "decoupled"_a,
+        "out"_a, "out_dtype"_a, "skip_flag_ptr"_a, "stream"_a, py::call_guard<py::gil_scoped_release>(),
+        "Enqueue on stream one Adam (decoupled=False) or AdamW step over numel device elements, in place: param, "
+        "exp_avg, exp_avg_sq fp32; grad of grad_dtype, multiplied by grad_scale on load; when out != 0, the new "
+        "param rounded to out_dtype at out. When skip_flag_ptr != 0 and the uint8 there is nonzero, nothing is "
+        "written. Runs on the current CUDA device.");
+  m.def("cross_entropy_forward_cuda", &bmtwrap::cuda::cross_entropy_forward_cuda, "logits"_a, "dtype"_a,
+        "targets"_a, "N"_a, "V"_a, "ignore_index"_a, "label_smoothing"_a, "loss_out"_a, "lse_out"_a, "stream"_a,
+        py::call_guard<py::gil_scoped_release>(),
+        "Enqueue on stream the fused softmax + NLL of the (N, V) logits of dtype with int64 targets: fp32 "
+        "per-row loss (0 where target == ignore_index) into loss_out and logsumexp into lse_out.");
+  m.def("cross_entropy_backward_cuda", &bmtwrap::cuda::cross_entropy_backward_cuda, "logits_inout"_a, "dtype"_a,
+        "targets"_a, "N"_a, "V"_a, "ignore_index"_a, "label_smoothing"_a, "lse"_a, "grad_rows"_a, "stream"_a,
+        py::call_guard<py::gil_scoped_release>(),
+        "Enqueue on stream the cross-entropy backward: overwrite the (N, V) logits with "
+        "(softmax - (1 - eps) * onehot - eps / V) * grad_rows[:, None], computed in fp32 from the forward's lse.");
 #endif
 }

@@ -1,17 +1,11 @@
-// Inf/nan check over a host buffer, by bit pattern, on std::threads.
-//
-// Threads rather than OpenMP: a second OpenMP runtime next to the one torch bundles oversubscribes cores,
-// and GNU libgomp is not fork-safe (DataLoader workers fork). A fresh thread costs tens of microseconds,
-// which is why only buffers of a few MiB or more are split.
-// TODO(cpu Adam): move the thread splitting into a shared csrc/cpu/ header (or a persistent pool) when the
-// second multithreaded CPU kernel arrives.
+// Inf/nan check over a host buffer, by bit pattern, on the shared worker pool (cpu/parallel.h says why a
+// pool rather than OpenMP). Waking a worker costs microseconds, so buffers of a MiB or more are split.
 #include "cpu/inf_nan.h"
 
 #include <algorithm>
 #include <atomic>
-#include <system_error>
-#include <thread>
-#include <vector>
+
+#include "cpu/parallel.h"
 
 namespace bmtwrap::cpu {
 namespace {
@@ -46,46 +40,21 @@ bool range_has_inf_nan(const Bits* data, int64_t n, Bits exponent_mask, const st
   return false;
 }
 
-int choose_threads(int64_t nbytes, int num_threads) {
-  const int64_t available =
-      num_threads > 0 ? num_threads : std::max<int64_t>(1, std::thread::hardware_concurrency());
-  return static_cast<int>(std::clamp<int64_t>(nbytes / kMinBytesPerThread, 1, available));
-}
-
 template <typename Bits>
 bool has_inf_nan_typed(const Bits* data, int64_t numel, Bits exponent_mask, int num_threads) {
   std::atomic<bool> found{false};
-  const int threads = choose_threads(numel * static_cast<int64_t>(sizeof(Bits)), num_threads);
-  if (threads == 1) {
-    return range_has_inf_nan(data, numel, exponent_mask, found);
-  }
-
-  // One contiguous slice per thread. The calling thread takes every slice no worker could be started for,
-  // so a failure to create threads costs speed, never the answer.
+  const int64_t nbytes = numel * static_cast<int64_t>(sizeof(Bits));
+  const int threads = threads_for(nbytes, kMinBytesPerThread, num_threads);
+  // One contiguous slice per thread.
   const int64_t per_slice = (numel + threads - 1) / threads;
-  auto scan_slice = [&](int slice) {
+  parallel_for(threads, [&](int slice) {
     const int64_t begin = slice * per_slice;
     const int64_t n = std::min(per_slice, numel - begin);
     if (n > 0 && range_has_inf_nan(data + begin, n, exponent_mask, found)) {
       found.store(true, std::memory_order_relaxed);
     }
-  };
-  std::vector<std::thread> workers;
-  workers.reserve(threads - 1);
-  try {
-    while (static_cast<int>(workers.size()) < threads - 1) {
-      workers.emplace_back(scan_slice, static_cast<int>(workers.size()));
-    }
-  } catch (const std::system_error&) {
-    // Out of threads: fall through with the workers we have.
-  }
-  for (int slice = static_cast<int>(workers.size()); slice < threads; ++slice) {
-    scan_slice(slice);
-  }
-  for (std::thread& worker : workers) {
-    worker.join();  // join() orders the workers' stores before the load below
-  }
-  return found.load(std::memory_order_relaxed);
+  });
+  return found.load(std::memory_order_relaxed);  // parallel_for's return orders the tasks' stores before this
 }
 
 }  // namespace

@@ -1,0 +1,526 @@
+// CPU Adam / AdamW in one pass over memory: AVX-512 or AVX2 chosen at run time, split over the worker pool.
+//
+// [Note: matching torch bit for bit]
+// torch.optim.AdamW on the CPU (single-tensor and foreach paths alike) runs these fp32 kernels, in order:
+//   param.mul_(1 - lr * wd)                     p = p * float(1 - lr*wd)                    (AdamW, wd != 0)
+//   grad = grad.add(param, alpha=wd)            g = fma(p, float(wd), g)                     (Adam, wd != 0)
+//   exp_avg.lerp_(grad, 1 - beta1)              m = fma(w, g - m, m)      with w = float(1 - beta1), |w| < 0.5
+//                                               m = fma(w - 1, g - m, g)  otherwise
+//   exp_avg_sq.mul_(beta2)                      v = v * float(beta2)
+//       .addcmul_(grad, grad, value=1 - beta2)  v = fma(float(1 - beta2) * g, g, v)   (*)
+//   denom = (exp_avg_sq.sqrt() / bc2_sqrt)      d = sqrt(v) / float(bc2_sqrt)  bc2_sqrt = (1 - beta2^step)^0.5
+//       .add_(eps)                              d = d + float(eps)
+//   param.addcdiv_(exp_avg, denom, -step_size)  p = p + (float(-lr / (1 - beta1^step)) * m) / d
+// with every scalar computed in double as Python computes it and rounded once to float. (*) addcmul's source
+// says `self + value * t1 * t2`; torch's AVX2 and AVX-512 kernels are compiled with FMA enabled and GCC fuses
+// the last multiply and the add, which is what a torch wheel computes on any CPU with AVX2 (checked against
+// torch 2.13 on AVX-512 in tests/test_adam_cpu.py; only torch's no-AVX2 fallback differs). We run the same
+// operations per element, each a correctly rounded IEEE operation (sqrt and division included) or an explicit
+// fused multiply-add. They are the same in every vector lane and in the scalar code, so the result does not
+// depend on the ISA path nor on how the buffer is split over threads. That requires the compiler to fuse
+// nothing on its own: setup.py builds with -ffp-contract=off. (torch's scalar loop over the last few
+// elements of each tensor may fuse differently, so those can differ from torch by one rounding.)
+//
+// [Note: one source, three instruction sets]
+// The kernel body is written once, as templates over a vector type V (Scalar, Avx2 or Avx512) whose
+// operations carry V's target attribute. Each ISA has one entry function with the same target attribute and
+// `flatten`, which inlines the whole body, V's operations included, into code compiled for that ISA; the rest
+// of the file is compiled for the baseline ISA, so the module loads on any x86-64. The best ISA the CPU
+// supports is chosen once, with __builtin_cpu_supports (which also checks that the OS saves the registers).
+#include "cpu/adam.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include "cpu/parallel.h"
+
+#if defined(__x86_64__)
+// GCC 12 warns that the intrinsics' own _mm512_undefined_*() placeholders "may be used uninitialized"
+// (GCC bug 105593, fixed in GCC 13); this file has no other use for the warning to guard.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#define BMT_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define BMT_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+#endif
+
+// Templates below return V::F by value and are compiled for the baseline ISA, where GCC warns that an
+// AVX-512 vector return "changes the ABI". They are only ever inlined (see [Note: one source, three
+// instruction sets]), so no call crosses the two ABIs.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace bmtwrap::cpu {
+namespace {
+
+// Element types of the 16-bit buffers, as distinct types so that loads and stores overload on them.
+struct Half {
+  uint16_t bits;
+};
+struct BFloat16 {
+  uint16_t bits;
+};
+struct NoCopy {};  // no low-precision copy of the updated parameters is written
+
+// ----------------------------------------------------------------------------------------- scalar rounding
+
+inline float float_from_bits(uint32_t bits) {
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+inline uint32_t bits_from_float(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return bits;
+}
+
+inline float bf16_to_float(BFloat16 h) { return float_from_bits(uint32_t{h.bits} << 16); }
+
+// Round to nearest even, as c10::BFloat16 does: nan becomes the canonical quiet nan 0x7FC0.
+inline BFloat16 float_to_bf16(float value) {
+  const uint32_t bits = bits_from_float(value);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) {
+    return {0x7FC0};
+  }
+  return {static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16)};
+}
+
+// Exact, and bit-identical to F16C's vcvtph2ps: a signalling nan comes back quiet, its payload kept.
+inline float half_to_float(Half h) {
+  const uint32_t sign = uint32_t{h.bits & 0x8000u} << 16;
+  const uint32_t exponent = (h.bits >> 10) & 0x1Fu;
+  const uint32_t mantissa = h.bits & 0x3FFu;
+  if (exponent == 0x1F) {  // inf, nan
+    return float_from_bits(sign | 0x7F800000u | (mantissa << 13) | (mantissa != 0 ? 0x400000u : 0u));
+  }
+  if (exponent != 0) {  // normal: rebias the exponent from 15 to 127
+    return float_from_bits(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+  }
+  // Zero or subnormal: mantissa * 2^-24, exact in float.
+  return float_from_bits(sign | bits_from_float(static_cast<float>(mantissa) * 0x1p-24f));
+}
+
+// Round to nearest even, bit-identical to F16C's vcvtps2ph with _MM_FROUND_TO_NEAREST_INT.
+inline Half float_to_half(float value) {
+  const uint32_t bits = bits_from_float(value);
+  const auto sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  const uint32_t magnitude = bits & 0x7FFFFFFFu;
+  if (magnitude > 0x7F800000u) {  // nan: quiet, top of the payload kept
+    return {static_cast<uint16_t>(sign | 0x7E00u | ((magnitude >> 13) & 0x3FFu))};
+  }
+  if (magnitude >= 0x477FF000u) {  // at least halfway between 65504 (the largest half) and 65536: inf
+    return {static_cast<uint16_t>(sign | 0x7C00u)};
+  }
+  if (magnitude >= 0x38800000u) {  // a normal half (>= 2^-14): round 13 mantissa bits away, rebias 127 -> 15
+    const uint32_t rounded = magnitude + 0xFFFu + ((magnitude >> 13) & 1u);
+    return {static_cast<uint16_t>(sign | ((rounded - (112u << 23)) >> 13))};
+  }
+  if (magnitude <= 0x33000000u) {  // at most 2^-25, half the smallest subnormal: rounds to (even) zero
+    return {sign};
+  }
+  // A subnormal half counts units of 2^-24: round (1.mantissa * 2^(exponent - 127)) / 2^-24 to an integer.
+  // The result may carry into 0x400, which is the encoding of the smallest normal half.
+  const uint32_t exponent = magnitude >> 23;  // 102 ... 112
+  const uint32_t significand = (magnitude & 0x7FFFFFu) | 0x800000u;
+  const uint32_t shift = 126u - exponent;  // 14 ... 24
+  uint32_t units = significand >> shift;
+  const uint32_t rest = significand & ((1u << shift) - 1u);
+  const uint32_t half_unit = 1u << (shift - 1u);
+  units += (rest > half_unit || (rest == half_unit && (units & 1u))) ? 1u : 0u;
+  return {static_cast<uint16_t>(sign | units)};
+}
+
+// ------------------------------------------------------------------------------------------- vector types
+// Each has F (the register type), kWidth (floats per F) and the same static operations.
+
+struct Scalar {
+  using F = float;
+  static constexpr int64_t kWidth = 1;
+
+  static F set1(float x) { return x; }
+  static F load(const float* p) { return *p; }
+  static F load(const Half* p) { return half_to_float(*p); }
+  static F load(const BFloat16* p) { return bf16_to_float(*p); }
+  static void store(float* p, F x) { *p = x; }
+  static void store(Half* p, F x) { *p = float_to_half(x); }
+  static void store(BFloat16* p, F x) { *p = float_to_bf16(x); }
+  static F add(F a, F b) { return a + b; }
+  static F sub(F a, F b) { return a - b; }
+  static F mul(F a, F b) { return a * b; }
+  static F div(F a, F b) { return a / b; }
+  static F sqrt(F a) { return std::sqrt(a); }
+  static F fmadd(F a, F b, F c) { return std::fma(a, b, c); }  // a * b + c, rounded once
+};
+
+#if defined(__x86_64__)
+
+struct Avx2 {
+  using F = __m256;
+  static constexpr int64_t kWidth = 8;
+
+  BMT_TARGET_AVX2 static F set1(float x) { return _mm256_set1_ps(x); }
+  BMT_TARGET_AVX2 static F load(const float* p) { return _mm256_loadu_ps(p); }
+  BMT_TARGET_AVX2 static F load(const Half* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  BMT_TARGET_AVX2 static F load(const BFloat16* p) {  // bf16 is the top half of a float
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  BMT_TARGET_AVX2 static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
+  BMT_TARGET_AVX2 static void store(Half* p, F x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  BMT_TARGET_AVX2 static void store(BFloat16* p, F x) {  // as float_to_bf16, eight at a time
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+    // Every lane is <= 0xFFFF, so the saturating pack only narrows.
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+  }
+  BMT_TARGET_AVX2 static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  BMT_TARGET_AVX2 static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  BMT_TARGET_AVX2 static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  BMT_TARGET_AVX2 static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  BMT_TARGET_AVX2 static F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  BMT_TARGET_AVX2 static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+};
+
+struct Avx512 {
+  using F = __m512;
+  static constexpr int64_t kWidth = 16;
+
+  BMT_TARGET_AVX512 static F set1(float x) { return _mm512_set1_ps(x); }
+  BMT_TARGET_AVX512 static F load(const float* p) { return _mm512_loadu_ps(p); }
+  BMT_TARGET_AVX512 static F load(const Half* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  BMT_TARGET_AVX512 static F load(const BFloat16* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  BMT_TARGET_AVX512 static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
+  BMT_TARGET_AVX512 static void store(Half* p, F x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  BMT_TARGET_AVX512 static void store(BFloat16* p, F x) {  // as float_to_bf16, sixteen at a time
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+  }
+  BMT_TARGET_AVX512 static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  BMT_TARGET_AVX512 static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  BMT_TARGET_AVX512 static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  BMT_TARGET_AVX512 static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  BMT_TARGET_AVX512 static F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  BMT_TARGET_AVX512 static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+};
+
+#endif  // defined(__x86_64__)
+
+// ------------------------------------------------------------------------------------------------ kernel
+
+// The fp32 scalars of one step, each rounded once from the double Python would compute (see
+// [Note: matching torch bit for bit]).
+struct AdamScalars {
+  float grad_scale;
+  bool l2;                  // Adam with weight decay: g = fma(p, weight_decay, g)
+  float weight_decay;
+  float param_decay;        // AdamW: p *= param_decay (1 when weight_decay == 0, which changes nothing)
+  bool m_lerp_from_exp_avg;  // torch's lerp: from exp_avg when |1 - beta1| < 0.5, else back from grad
+  float m_coeff;
+  float beta2;
+  float one_minus_beta2;
+  float bc2_sqrt;
+  float eps;
+  float neg_step_size;
+};
+
+AdamScalars make_scalars(const AdamHyper& h) {
+  const double bias_correction1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
+  const double bias_correction2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
+  const auto lerp_weight = static_cast<float>(1.0 - h.beta1);
+  AdamScalars s{};
+  s.grad_scale = static_cast<float>(h.grad_scale);
+  s.l2 = !h.decoupled && h.weight_decay != 0.0;
+  s.weight_decay = static_cast<float>(h.weight_decay);
+  s.param_decay = h.decoupled ? static_cast<float>(1.0 - h.lr * h.weight_decay) : 1.0f;
+  s.m_lerp_from_exp_avg = std::fabs(lerp_weight) < 0.5f;
+  s.m_coeff = s.m_lerp_from_exp_avg ? lerp_weight : lerp_weight - 1.0f;
+  s.beta2 = static_cast<float>(h.beta2);
+  s.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
+  s.bc2_sqrt = static_cast<float>(std::pow(bias_correction2, 0.5));  // Python's `bc2 ** 0.5` is C's pow
+  s.eps = static_cast<float>(h.eps);
+  s.neg_step_size = static_cast<float>(-(h.lr / bias_correction1));
+  return s;
+}
+
+// The five buffers of one step, typed. G: the gradient's element type; C: the copy's (or NoCopy).
+template <typename G, typename C>
+struct Buffers {
+  float* param;
+  const G* grad;
+  float* exp_avg;
+  float* exp_avg_sq;
+  C* copy;
+};
+
+// Elements [begin, end) of the step, kWidth at a time; end - begin must be a multiple of V::kWidth.
+template <typename V, typename G, typename C, bool kL2>
+inline void adam_vectors(const Buffers<G, C>& b, const AdamScalars& s, int64_t begin, int64_t end) {
+  using F = typename V::F;
+  const F grad_scale = V::set1(s.grad_scale);
+  const F weight_decay = V::set1(s.weight_decay);
+  const F param_decay = V::set1(s.param_decay);
+  const F m_coeff = V::set1(s.m_coeff);
+  const F beta2 = V::set1(s.beta2);
+  const F one_minus_beta2 = V::set1(s.one_minus_beta2);
+  const F bc2_sqrt = V::set1(s.bc2_sqrt);
+  const F eps = V::set1(s.eps);
+  const F neg_step_size = V::set1(s.neg_step_size);
+  for (int64_t i = begin; i < end; i += V::kWidth) {
+    F g = V::mul(V::load(b.grad + i), grad_scale);
+    F p = V::load(b.param + i);
+    if constexpr (kL2) {
+      g = V::fmadd(p, weight_decay, g);
+    } else {
+      p = V::mul(p, param_decay);
+    }
+    F m = V::load(b.exp_avg + i);
+    m = V::fmadd(m_coeff, V::sub(g, m), s.m_lerp_from_exp_avg ? m : g);
+    F v = V::load(b.exp_avg_sq + i);
+    v = V::fmadd(V::mul(one_minus_beta2, g), g, V::mul(v, beta2));
+    const F denom = V::add(V::div(V::sqrt(v), bc2_sqrt), eps);
+    p = V::add(p, V::div(V::mul(neg_step_size, m), denom));
+    V::store(b.param + i, p);
+    V::store(b.exp_avg + i, m);
+    V::store(b.exp_avg_sq + i, v);
+    if constexpr (!std::is_same_v<C, NoCopy>) {
+      V::store(b.copy + i, p);
+    }
+  }
+}
+
+// Elements [begin, end): whole vectors of V, then the rest one at a time.
+template <typename V, typename G, typename C, bool kL2>
+inline void adam_range(const Buffers<G, C>& b, const AdamScalars& s, int64_t begin, int64_t end) {
+  const int64_t vector_end = begin + (end - begin) / V::kWidth * V::kWidth;
+  adam_vectors<V, G, C, kL2>(b, s, begin, vector_end);
+  adam_vectors<Scalar, G, C, kL2>(b, s, vector_end, end);
+}
+
+// A step as it crosses threads: untyped pointers and the dtypes that say how to read them.
+struct AdamJob {
+  std::uintptr_t param, grad, exp_avg, exp_avg_sq, copy;  // copy == 0: no copy
+  DType grad_dtype, copy_dtype;
+  AdamScalars scalars;
+};
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// Calls f(TypeTag<element type>) for a gradient or copy dtype (no copy: TypeTag<NoCopy>).
+template <typename Fn>
+void with_element_type(DType dtype, bool present, Fn&& f) {
+  if (!present) {
+    f(TypeTag<NoCopy>{});
+    return;
+  }
+  switch (dtype) {
+    case DType::kFloat32:
+      f(TypeTag<float>{});
+      return;
+    case DType::kFloat16:
+      f(TypeTag<Half>{});
+      return;
+    case DType::kBFloat16:
+      f(TypeTag<BFloat16>{});
+      return;
+  }
+}
+
+// Elements [begin, end) of `job` with vector type V: picks the template instance for the job's dtypes.
+template <typename V>
+inline void adam_job_range(const AdamJob& job, int64_t begin, int64_t end) {
+  with_element_type(job.grad_dtype, true, [&](auto grad_tag) {
+    with_element_type(job.copy_dtype, job.copy != 0, [&](auto copy_tag) {
+      using G = typename decltype(grad_tag)::type;
+      using C = typename decltype(copy_tag)::type;
+      if constexpr (!std::is_same_v<G, NoCopy> && !std::is_same_v<C, float>) {
+        const Buffers<G, C> buffers{reinterpret_cast<float*>(job.param), reinterpret_cast<const G*>(job.grad),
+                                    reinterpret_cast<float*>(job.exp_avg),
+                                    reinterpret_cast<float*>(job.exp_avg_sq), reinterpret_cast<C*>(job.copy)};
+        if (job.scalars.l2) {
+          adam_range<V, G, C, true>(buffers, job.scalars, begin, end);
+        } else {
+          adam_range<V, G, C, false>(buffers, job.scalars, begin, end);
+        }
+      }
+    });
+  });
+}
+
+// The entry points, one per ISA (see [Note: one source, three instruction sets]).
+void adam_job_range_scalar(const AdamJob& job, int64_t begin, int64_t end) { adam_job_range<Scalar>(job, begin, end); }
+
+#if defined(__x86_64__)
+BMT_TARGET_AVX2 __attribute__((flatten)) void adam_job_range_avx2(const AdamJob& job, int64_t begin, int64_t end) {
+  adam_job_range<Avx2>(job, begin, end);
+}
+
+BMT_TARGET_AVX512 __attribute__((flatten)) void adam_job_range_avx512(const AdamJob& job, int64_t begin,
+                                                                      int64_t end) {
+  adam_job_range<Avx512>(job, begin, end);
+}
+#endif
+
+using JobRangeFn = void (*)(const AdamJob&, int64_t, int64_t);
+
+JobRangeFn job_range_fn(CpuIsa isa) {
+  switch (isa) {
+#if defined(__x86_64__)
+    case CpuIsa::kAvx512:
+      return &adam_job_range_avx512;
+    case CpuIsa::kAvx2:
+      return &adam_job_range_avx2;
+#endif
+    default:
+      return &adam_job_range_scalar;
+  }
+}
+
+CpuIsa detect_best_isa() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+    return CpuIsa::kAvx512;
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+    return CpuIsa::kAvx2;
+  }
+#endif
+  return CpuIsa::kScalar;
+}
+
+// Splitting: each extra thread must have enough elements to pay for waking it (a step over 32 Ki elements
+// moves about 0.9 MiB), and every slice but the last starts on a 64-byte line of `param` and spans a multiple
+// of 64 elements (whole lines of every buffer that is aligned like param), so threads never share a line.
+constexpr int64_t kMinElementsPerThread = int64_t{1} << 15;
+constexpr int64_t kSliceAlign = 64;
+constexpr std::uintptr_t kLineBytes = 64;
+
+std::string isa_name(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kBest:
+      return "best";
+    case CpuIsa::kScalar:
+      return "scalar";
+    case CpuIsa::kAvx2:
+      return "avx2";
+    case CpuIsa::kAvx512:
+      return "avx512";
+  }
+  return "CpuIsa(" + std::to_string(static_cast<int>(isa)) + ")";
+}
+
+bool is_known_dtype(DType dtype) {
+  return dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16;
+}
+
+void check_arguments(std::uintptr_t param_ptr, std::uintptr_t grad_ptr, DType grad_dtype,
+                     std::uintptr_t exp_avg_ptr, std::uintptr_t exp_avg_sq_ptr, int64_t numel,
+                     const AdamHyper& hyper, std::uintptr_t out_ptr, DType out_dtype, int num_threads,
+                     CpuIsa isa) {
+  check_buffer("adam_cpu(param)", param_ptr, numel);
+  check_buffer("adam_cpu(grad)", grad_ptr, numel);
+  check_buffer("adam_cpu(exp_avg)", exp_avg_ptr, numel);
+  check_buffer("adam_cpu(exp_avg_sq)", exp_avg_sq_ptr, numel);
+  if (!is_known_dtype(grad_dtype)) {
+    throw std::invalid_argument("adam_cpu: unknown grad dtype code " + std::to_string(static_cast<int>(grad_dtype)));
+  }
+  if (out_ptr != 0 && out_dtype != DType::kFloat16 && out_dtype != DType::kBFloat16) {
+    throw std::invalid_argument("adam_cpu: out_dtype must be float16 or bfloat16, got dtype code " +
+                                std::to_string(static_cast<int>(out_dtype)));
+  }
+  if (hyper.step < 1) {
+    throw std::invalid_argument("adam_cpu: step must be >= 1, got " + std::to_string(hyper.step));
+  }
+  if (num_threads < 0) {
+    throw std::invalid_argument("adam_cpu: num_threads must be >= 0, got " + std::to_string(num_threads));
+  }
+  if (!cpu_isa_supported(isa)) {
+    throw std::invalid_argument("adam_cpu: this CPU does not support isa " + isa_name(isa));
+  }
+}
+
+}  // namespace
+
+bool cpu_isa_supported(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kBest:
+    case CpuIsa::kScalar:
+      return true;
+    case CpuIsa::kAvx2:
+      return cpu_best_isa() == CpuIsa::kAvx2 || cpu_best_isa() == CpuIsa::kAvx512;
+    case CpuIsa::kAvx512:
+      return cpu_best_isa() == CpuIsa::kAvx512;
+  }
+  return false;
+}
+
+CpuIsa cpu_best_isa() {
+  static const CpuIsa best = detect_best_isa();
+  return best;
+}
+
+std::vector<CpuIsa> cpu_supported_isas() {
+  std::vector<CpuIsa> isas;
+  for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+    if (cpu_isa_supported(isa)) {
+      isas.push_back(isa);
+    }
+  }
+  return isas;
+}
+
+void adam_cpu(std::uintptr_t param_ptr, std::uintptr_t grad_ptr, DType grad_dtype, std::uintptr_t exp_avg_ptr,
+              std::uintptr_t exp_avg_sq_ptr, int64_t numel, const AdamHyper& hyper, std::uintptr_t out_ptr,
+              DType out_dtype, int num_threads, CpuIsa isa) {
+  check_arguments(param_ptr, grad_ptr, grad_dtype, exp_avg_ptr, exp_avg_sq_ptr, numel, hyper, out_ptr, out_dtype,
+                  num_threads, isa);
+  if (numel == 0) {
+    return;
+  }
+  const AdamJob job{param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr, grad_dtype, out_dtype,
+                    make_scalars(hyper)};
+  const JobRangeFn run_range = job_range_fn(isa == CpuIsa::kBest ? cpu_best_isa() : isa);
+
+  const int threads = threads_for(numel, kMinElementsPerThread, num_threads);
+  // Slice t is [start(t), start(t + 1)): `lead` elements reach param's first line boundary, then slices of
+  // about numel / threads rounded down to kSliceAlign.
+  const auto lead = static_cast<int64_t>(((kLineBytes - param_ptr % kLineBytes) % kLineBytes) / sizeof(float));
+  auto start = [&](int t) -> int64_t {
+    if (t == 0) {
+      return 0;
+    }
+    if (t == threads) {
+      return numel;
+    }
+    return std::min(numel, lead + numel / threads * t / kSliceAlign * kSliceAlign);
+  };
+  parallel_for(threads, [&](int t) { run_range(job, start(t), start(t + 1)); });
+}
+
+}  // namespace bmtwrap::cpu
