@@ -3,7 +3,7 @@
 Public names only; see each one's docstring. A BMTrain program runs after ``import bmtwrap as bmt``.
 """
 
-from . import lr_scheduler, optim
+from . import loss, lr_scheduler, optim
 from .block import Block, CheckpointBlock
 from .blocklist import TransformerBlockList
 from .checkpoint import load_state_dict
@@ -28,6 +28,7 @@ __all__ = [
     "init_distributed",
     "init_parameters",
     "load_state_dict",
+    "loss",
     "lr_scheduler",
     "materialize",
     "optim",

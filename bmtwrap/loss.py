@@ -1,0 +1,176 @@
+"""Cross-entropy losses that spend little memory on large vocabularies.
+
+:class:`FusedCrossEntropy` computes softmax and NLL in one kernel from bf16/fp16 logits, returns
+an fp32 loss, and can write the gradient into the logits' own buffer. :func:`linear_cross_entropy`
+goes further: it never materialises the (tokens x vocab) logits at all. With a 128k vocabulary the
+logits of 8 x 2048 tokens take 4 GiB in bf16 (8 GiB more for an fp32 copy), more than a layer's
+activations; chunking them keeps a few hundred MiB alive instead.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+
+from . import ops
+
+__all__ = ["FusedCrossEntropy", "linear_cross_entropy"]
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _check(reduction: str, label_smoothing: float) -> None:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+
+
+def _row_weights(targets: torch.Tensor, ignore_index: int, reduction: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-row factor of the reduction (1/count for mean, 1 for sum; 0 on ignored rows) and the count."""
+    valid = (targets != ignore_index).float()
+    count = valid.sum()
+    if reduction == "mean":
+        return valid / count.clamp(min=1), count
+    return valid, count
+
+
+class _FusedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, label_smoothing: float,
+                reduction: str, inplace: bool) -> torch.Tensor:
+        rows, lse = ops.cross_entropy_forward(logits, targets, ignore_index=ignore_index,
+                                              label_smoothing=label_smoothing)
+        weights, _ = _row_weights(targets, ignore_index, reduction)
+        ctx.save_for_backward(logits, targets, lse, weights)
+        ctx.options = (ignore_index, label_smoothing, reduction, inplace)
+        if reduction == "none":
+            return rows
+        return (rows * weights).sum()
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, targets, lse, weights = ctx.saved_tensors
+        ignore_index, label_smoothing, reduction, inplace = ctx.options
+        grad_rows = (grad_out.float() * weights).contiguous() if reduction == "none" else (weights * grad_out.float())
+        # In place, the logits' buffer becomes their gradient: no second (tokens x vocab) tensor.
+        grad = logits if inplace else logits.clone()
+        ops.cross_entropy_backward_(grad, targets, lse, grad_rows.contiguous(), ignore_index=ignore_index,
+                                    label_smoothing=label_smoothing)
+        return grad, None, None, None, None, None
+
+
+class FusedCrossEntropy(nn.Module):
+    """Softmax + NLL in one kernel: bf16/fp16/fp32 logits in, fp32 loss out (BMTrain's class).
+
+    Args:
+        ignore_index: targets equal to it contribute nothing (and are not counted by "mean").
+        reduction: "mean" (over non-ignored rows), "sum" or "none".
+        label_smoothing: as ``torch.nn.functional.cross_entropy``.
+        inplace: write the gradient into the logits' buffer in backward (saves one logits-sized
+            tensor; the logits must not be used after backward).
+
+    Shapes: ``logits`` (N, V) or (..., V), ``target`` with the leading shape of ``logits``.
+
+    Example::
+
+        loss = bmt.loss.FusedCrossEntropy(ignore_index=-100)(logits.view(-1, V), labels.view(-1))
+    """
+
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                 inplace: bool = False) -> None:
+        super().__init__()
+        _check(reduction, label_smoothing)
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.label_smoothing = label_smoothing
+        self.inplace = inplace
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if logits.shape[:-1] != target.shape:
+            raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree: the target "
+                             "needs the logits' shape without the last (vocabulary) dimension")
+        vocab = logits.shape[-1]
+        flat, flat_target = logits.reshape(-1, vocab).contiguous(), target.reshape(-1).long().contiguous()
+        out = _FusedCrossEntropy.apply(flat, flat_target, self.ignore_index, self.label_smoothing, self.reduction,
+                                       self.inplace)
+        return out.view(target.shape) if self.reduction == "none" else out
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Loss of ``hidden @ weight.T``, chunk by chunk, with both gradients computed on the way."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                label_smoothing: float, reduction: str, chunk: int) -> torch.Tensor:
+        weights, _ = _row_weights(targets, ignore_index, reduction)
+        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk):
+            h = hidden[start : start + chunk]
+            t = targets[start : start + chunk]
+            w = weights[start : start + chunk]
+            logits = h @ weight.T  # (chunk, V): the only logits alive at a time
+            rows, lse = ops.cross_entropy_forward(logits, t, ignore_index=ignore_index,
+                                                  label_smoothing=label_smoothing)
+            total += (rows * w).sum()
+            if need_grad:
+                ops.cross_entropy_backward_(logits, t, lse, w.contiguous(), ignore_index=ignore_index,
+                                            label_smoothing=label_smoothing)
+                if grad_hidden is not None:
+                    grad_hidden[start : start + chunk] = logits @ weight
+                if grad_weight is not None:
+                    # fp32 += low-precision product: no fp32 copy of the (chunk x V) logits is made.
+                    grad_weight.add_(logits.T @ h)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        scale = grad_out.float()
+        gh = grad_hidden * scale.to(grad_hidden.dtype) if grad_hidden is not None else None
+        gw = (grad_weight * scale).to(ctx.weight_dtype) if grad_weight is not None else None
+        return gh, gw, None, None, None, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
+                         ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                         chunk_size: int = 4096) -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight.T`` against ``target`` without materialising the logits.
+
+    Rows are processed ``chunk_size`` at a time: each chunk's logits are computed, reduced to its
+    losses, turned into their gradient in place and multiplied back into the gradients of
+    ``hidden`` and ``weight``, then freed. Backward only scales those gradients. Peak extra memory:
+    one chunk of logits plus an fp32 gradient of ``weight``.
+
+    Args:
+        hidden: (N, H) final hidden states (any float dtype; bf16 in training).
+        weight: (V, H) output projection (an LM head's weight; tied embeddings work).
+        target: (N,) class indices.
+        reduction: "mean" (over non-ignored rows) or "sum".
+
+    Raises:
+        ValueError: shapes that do not fit, or ``reduction="none"``.
+
+    Example::
+
+        loss = bmt.loss.linear_cross_entropy(h.view(-1, H), model.lm_head.weight, labels.view(-1))
+    """
+    _check(reduction, label_smoothing)
+    if reduction == "none":
+        raise ValueError("linear_cross_entropy reduces: use reduction='mean' or 'sum'")
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"need hidden (N, H) and weight (V, H), got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if target.shape != hidden.shape[:1]:
+        raise ValueError(f"target must have shape ({hidden.shape[0]},), got {tuple(target.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return _LinearCrossEntropy.apply(hidden.contiguous(), weight, target.long().contiguous(), ignore_index,
+                                     label_smoothing, reduction, chunk_size)

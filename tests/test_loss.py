@@ -1,0 +1,73 @@
+"""FusedCrossEntropy and linear_cross_entropy against torch.nn.functional.cross_entropy (CPU, fp32).
+
+On the CPU both run on the torch reference of the kernel's math, so these tests check the
+autograd plumbing: reductions, ignored rows, label smoothing, in-place gradients, chunking.
+The CUDA kernels are compared with torch in tests/test_cuda_kernels.py.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import bmtwrap as bmt
+
+
+def data(n=37, v=11, h=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, v, generator=g, dtype=torch.float64).float()
+    target = torch.randint(0, v, (n,), generator=g)
+    target[::5] = -100
+    return logits, target, torch.randn(n, h, generator=g), torch.randn(v, h, generator=g)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_fused_cross_entropy_matches_torch(reduction, smoothing, inplace):
+    logits, target, _, _ = data()
+    ours_in = logits.clone().requires_grad_()
+    ref_in = logits.clone().requires_grad_()
+    loss = bmt.loss.FusedCrossEntropy(reduction=reduction, label_smoothing=smoothing, inplace=inplace)(
+        ours_in * 1.0, target)
+    ref = F.cross_entropy(ref_in, target, reduction=reduction, label_smoothing=smoothing, ignore_index=-100)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+    weight = torch.randn_like(ref) if reduction == "none" else torch.tensor(1.7)
+    (loss * weight).sum().backward()
+    (ref * weight).sum().backward()
+    torch.testing.assert_close(ours_in.grad, ref_in.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_cross_entropy_keeps_leading_dimensions():
+    logits, target, _, _ = data(n=12)
+    loss = bmt.loss.FusedCrossEntropy(reduction="none")(logits.view(3, 4, -1), target.view(3, 4))
+    assert loss.shape == (3, 4)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_linear_cross_entropy_matches_torch(chunk, reduction):
+    _, target, hidden, weight = data()
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ours = bmt.loss.linear_cross_entropy(h1, w1, target, reduction=reduction, label_smoothing=0.1, chunk_size=chunk)
+    ref = F.cross_entropy(h2 @ w2.T, target, reduction=reduction, label_smoothing=0.1)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    (ours * 0.5).backward()
+    (ref * 0.5).backward()
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_loss_arguments_are_checked():
+    logits, target, hidden, weight = data()
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        bmt.loss.FusedCrossEntropy(reduction="max")
+    with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 1\)"):
+        bmt.loss.FusedCrossEntropy(label_smoothing=1.0)
+    with pytest.raises(ValueError, match="disagree"):
+        bmt.loss.FusedCrossEntropy()(logits, target[:-1])
+    with pytest.raises(ValueError, match="linear_cross_entropy reduces"):
+        bmt.loss.linear_cross_entropy(hidden, weight, target, reduction="none")
+    with pytest.raises(ValueError, match=r"need hidden \(N, H\) and weight \(V, H\)"):
+        bmt.loss.linear_cross_entropy(hidden, weight.T, target)
