@@ -249,19 +249,9 @@ class ParamRegistry:
 
     def __init__(self) -> None:
         self._entries: Dict[int, Tuple["weakref.ref[nn.Parameter]", FlatBuffer, int]] = {}
-        self._replicated: Dict[int, "weakref.ref[nn.Parameter]"] = {}  # plain parameters outside blocks
-
-    def add_replicated(self, param: nn.Parameter) -> None:
-        key = id(param)
-        self._replicated[key] = weakref.ref(param, lambda _, k=key: self._replicated.pop(k, None))
 
     def any_sharded(self) -> bool:
         return bool(self._entries)
-
-    def is_known(self, param: torch.Tensor) -> bool:
-        """Sharded here, or a replicated parameter of a model that has sharded ones."""
-        ref = self._replicated.get(id(param))
-        return self.is_sharded(param) or (ref is not None and ref() is param)
 
     def add(self, buffer: FlatBuffer) -> None:
         for index, slot in enumerate(buffer.slots):

@@ -65,7 +65,6 @@ class RootRunner:
                     lone.append((name, param))
             elif eng.registry.lookup(param) is None:
                 replicated.append(param)
-                eng.registry.add_replicated(param)
         group = lone_group(eng.ctx, eng.registry, lone, find_owners(module), f"root of {type(module).__name__}",
                            lambda g, p: None)
         return cls(eng, group, replicated)

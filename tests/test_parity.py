@@ -17,6 +17,7 @@ WORLD_SIZES = [1, 2, 3, 4]
 TRAINING = [
     "zero3_checkpoint", "zero3_no_checkpoint", "zero2_checkpoint", "zero2_no_checkpoint", "accumulate_2",
     "accumulate_2_zero2_no_checkpoint", "frozen_layer", "three_hidden", "optim_manager", "optim_manager_loss_scale",
+    "adam_optimizer", "adam_offload_optimizer", "adam_optimizer_manager_scaled",
 ]
 
 
@@ -44,6 +45,12 @@ def test_float64_is_exact(results):
     world, r = _case(results, "float64")
     assert r["loss_max_rel"] <= 1e-12
     assert r["param_max_abs"] <= 1e-12, f"world {world}: {r['param_worst']} differs by {r['param_max_abs']:.3g}"
+
+
+@pytest.mark.parametrize("name", ["resume_adam", "resume_offload"])
+def test_optimizer_state_resumes_bit_exactly(results, name):
+    world, r = _case(results, name)
+    assert r["losses_equal"] and r["params_equal"], f"world {world}: {r}"
 
 
 def test_return_hidden_states(results):

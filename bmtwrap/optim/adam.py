@@ -35,16 +35,15 @@ def _check_params(params: List[torch.Tensor], who: str) -> None:
                          "on one device (the GPU, or the CPU when there is none); materialise meta models first")
     if not is_initialized():
         return
+    # Replicated parameters (plain ones outside blocks) are legitimate, so the mistake caught is
+    # the whole list coming from an unwrapped copy while a sharded model exists.
     registry = engine().registry
-    if not registry.any_sharded():
-        return
-    for index, p in enumerate(params):
-        if not registry.is_known(p):
-            raise ValueError(
-                f"{who}: parameter {index} (shape {tuple(p.shape)}) is not one of bmtwrap's sharded parameters; "
-                "build the optimizer from the wrapped model's parameters() after bmtwrap.wrap(model) (or from the "
-                "model made of bmtwrap blocks), not from an unwrapped copy"
-            )
+    if registry.any_sharded() and not any(registry.is_sharded(p) for p in params):
+        raise ValueError(
+            f"{who}: none of the {len(params)} parameters is sharded by bmtwrap, but a sharded model exists; "
+            "build the optimizer from the wrapped model's parameters() after bmtwrap.wrap(model) (or from the "
+            "model made of bmtwrap blocks), not from an unwrapped copy"
+        )
 
 
 class _AdamBase(torch.optim.Optimizer):
