@@ -38,42 +38,32 @@ def _grad_tensors(tree: Any) -> Tuple[List[Any], Any, List[int]]:
     return leaves, spec, wanted
 
 
-def _route_through(fn: type, runner: "BlockRunner", tree: Any) -> Any:
-    """Pass every grad-requiring tensor of ``tree`` through the identity autograd function ``fn``."""
+def _route_through(callback: Callable[[], None], tree: Any) -> Any:
+    """Pass every grad-requiring tensor of ``tree`` through one identity node whose backward calls ``callback``."""
     leaves, spec, wanted = _grad_tensors(tree)
     if not wanted:
         return tree
-    routed = fn.apply(runner, *[leaves[i] for i in wanted])
+    routed = _BackwardHook.apply(callback, *[leaves[i] for i in wanted])
     for i, tensor in zip(wanted, routed):
         leaves[i] = tensor
     return pytree.tree_unflatten(leaves, spec)
 
 
-class _PreBackward(torch.autograd.Function):
-    """Identity on a block's outputs; its backward runs before the block's own backward."""
+class _BackwardHook(torch.autograd.Function):
+    """Identity on some tensors; its backward calls a callback once their gradients are all in.
+
+    On a block's outputs it runs before the block's own backward (pre-backward); on its inputs,
+    once the inputs' gradients are done (post-backward).
+    """
 
     @staticmethod
-    def forward(ctx, runner: "BlockRunner", *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        ctx.runner = runner
+    def forward(ctx, callback: Callable[[], None], *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        ctx.callback = callback
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
-        ctx.runner.pre_backward()
-        return (None,) + grads
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a block's inputs; its backward runs once the inputs' gradients are done."""
-
-    @staticmethod
-    def forward(ctx, runner: "BlockRunner", *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        ctx.runner = runner
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
-        ctx.runner.inputs_done()
+        ctx.callback()
         return (None,) + grads
 
 
@@ -132,7 +122,7 @@ class BlockRunner:
 
         recording = torch.is_grad_enabled()
         if recording:
-            args, kwargs = _route_through(_PostBackward, self, (args, kwargs))
+            args, kwargs = _route_through(self.inputs_done, (args, kwargs))
             inputs_need_grad = bool(_grad_tensors((args, kwargs))[2])
             self._awaiting_inputs += int(inputs_need_grad)
             self._awaiting_params += int(self.group.trainable)
@@ -151,7 +141,7 @@ class BlockRunner:
             eng.block_depth -= 1
 
         if recording:
-            out = _route_through(_PreBackward, self, out)
+            out = _route_through(self.pre_backward, out)
         # ZeRO-3 frees the parameters until backward, except those of the last block, which backward
         # needs first: releasing and gathering them again would only expose a gather.
         last = eng.order.known and self.next_block is None

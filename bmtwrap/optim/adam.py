@@ -107,6 +107,24 @@ class _AdamBase(torch.optim.Optimizer):
             state["master"] = p.detach().to(device=device, dtype=torch.float32).clone()
         return state
 
+    def _prepare(self, closure: Optional[Callable[[], Any]], grad_scale: float) -> Tuple[Any, List[Tuple[Any, ...]]]:
+        """Run the closure; advance the step of every parameter with a gradient; return the work."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None or p.numel() == 0:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(self._new_state(p))
+                state["step"] += 1
+                work.append((p, state, self._hyper(group, state["step"], grad_scale)))
+        return loss, work
+
     @staticmethod
     def _hyper(group: Dict[str, Any], step: int, grad_scale: float) -> Dict[str, Any]:
         beta1, beta2 = group["betas"]
@@ -144,25 +162,14 @@ class AdamOptimizer(_AdamBase):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scale: float = 1.0) -> Any:
         """One update; gradients are multiplied by ``grad_scale`` as they are read."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None or p.numel() == 0:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state.update(self._new_state(p))
-                state["step"] += 1
-                master = state.get("master", p)
-                out = p if master is not p else None
-                update = ops.adam_step_cuda if p.is_cuda else ops.adam_step_cpu
-                update(master.view(-1), p.grad.detach().reshape(-1), state["exp_avg"].view(-1),
-                       state["exp_avg_sq"].view(-1), out=None if out is None else out.view(-1),
-                       **self._hyper(group, state["step"], grad_scale))
-                increment_version(p)  # written through a raw pointer: gathered copies are now stale
+        loss, work = self._prepare(closure, grad_scale)
+        for p, state, hyper in work:
+            master = state.get("master", p)
+            out = p if master is not p else None
+            update = ops.adam_step_cuda if p.is_cuda else ops.adam_step_cpu
+            update(master.view(-1), p.grad.detach().reshape(-1), state["exp_avg"].view(-1),
+                   state["exp_avg_sq"].view(-1), out=None if out is None else out.view(-1), **hyper)
+            increment_version(p)  # written through a raw pointer: gathered copies are now stale
         return loss
 
 
@@ -226,21 +233,8 @@ class AdamOffloadOptimizer(_AdamBase):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scale: float = 1.0) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
         self.wait()
-        work = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None or p.numel() == 0:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state.update(self._new_state(p))
-                state["step"] += 1
-                work.append((p, state, self._hyper(group, state["step"], grad_scale)))
+        loss, work = self._prepare(closure, grad_scale)
         if not work:
             return loss
         if not work[0][0].is_cuda:
