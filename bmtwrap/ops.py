@@ -277,10 +277,11 @@ def adam_step_cpu(
 ) -> None:
     """One AdamW (or Adam) step on CPU tensors, in place, in a single pass over memory.
 
-    Computes exactly what ``torch.optim.AdamW`` (``decoupled=True``) or ``torch.optim.Adam`` with
-    ``weight_decay`` (``decoupled=False``) computes for one parameter, in fp32 and in the same order of
-    operations, so the results agree bit for bit on finite inputs (torch's own scalar loop over the last few
-    elements of a tensor may round differently by one ulp). The kernel reads each element of the four buffers
+    Computes what ``torch.optim.AdamW`` (``decoupled=True``) or ``torch.optim.Adam`` with ``weight_decay``
+    (``decoupled=False``) computes for one parameter, in fp32 and in the same order of operations. AdamW's
+    moments come out bit for bit equal; a parameter now and then differs in its last bit, because torch takes
+    sqrt from MKL, which is not always correctly rounded (ours is). The results do not depend on the number of
+    threads nor on the instruction set used. The kernel reads each element of the four buffers
     once and writes param, exp_avg, exp_avg_sq (and ``out``) once, vectorised with AVX-512 or AVX2 where the CPU
     has them, on ``torch.get_num_threads()`` threads, without the GIL.
 

@@ -69,8 +69,8 @@ PYBIND11_MODULE(_C, m) {
       "out_dtype"_a, "num_threads"_a = 0, "isa"_a = CpuIsa::kBest, py::call_guard<py::gil_scoped_release>(),
       "One Adam (decoupled=False) or AdamW step over numel host elements, in place: param, exp_avg, exp_avg_sq "
       "fp32; grad of grad_dtype, multiplied by grad_scale on load; when out_ptr != 0, the new param rounded "
-      "to out_dtype (float16 or bfloat16) at out_ptr. Matches torch.optim.AdamW bit for bit on finite inputs. "
-      "num_threads=0: all cores.");
+      "to out_dtype (float16 or bfloat16) at out_ptr. Matches torch.optim.AdamW to fp32 rounding. "
+      "num_threads=0: all cores; isa: which compiled kernels (CpuIsa.best: the widest this CPU has).");
 
 #ifdef BMTWRAP_WITH_CUDA
   m.def("has_inf_nan_cuda", &bmtwrap::cuda::has_inf_nan_cuda, "ptr"_a, "numel"_a, "dtype"_a, "flag_ptr"_a,

@@ -41,8 +41,9 @@ struct AdamHyper {
 // One optimizer step over `numel` elements, in one pass over memory. Reads param (fp32 master weights),
 // grad (`grad_dtype`: fp32, fp16 or bf16), exp_avg and exp_avg_sq (fp32); writes param, exp_avg and
 // exp_avg_sq in place and, when out_ptr != 0, the updated param rounded to nearest even into `out_dtype`
-// (fp16 or bf16) at out_ptr. Results equal torch.optim.AdamW's (Adam's when !decoupled) bit for bit on
-// finite inputs, whatever `isa` and `num_threads` (0 = one thread per hardware thread).
+// (fp16 or bf16) at out_ptr. The results are the same bit for bit whatever `isa` and `num_threads` (0 = one
+// thread per hardware thread), and torch.optim.AdamW's (Adam's when !decoupled) up to torch's sqrt (see
+// [Note: matching torch bit for bit] in adam.cpp).
 // Throws std::invalid_argument on a bad argument, including an `isa` the CPU does not support.
 void adam_cpu(std::uintptr_t param_ptr, std::uintptr_t grad_ptr, DType grad_dtype, std::uintptr_t exp_avg_ptr,
               std::uintptr_t exp_avg_sq_ptr, int64_t numel, const AdamHyper& hyper, std::uintptr_t out_ptr,

@@ -13,7 +13,7 @@ namespace {
 // Bytes scanned between two looks at the shared `found` flag: large enough for the inner loop to run
 // vectorised at memory speed, small enough for an early exit to skip most of a large buffer.
 constexpr int64_t kBlockBytes = 64 * 1024;
-// Each extra thread must have at least this much to read to pay for its start.
+// Each extra thread must have at least this much to read to pay for waking it.
 constexpr int64_t kMinBytesPerThread = 1024 * 1024;
 
 // Branch-free, so the compiler vectorises it with the baseline instruction set (SSE2: pand, pcmpeq, por).
