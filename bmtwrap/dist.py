@@ -7,6 +7,7 @@ to keep in step.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import random
@@ -179,6 +180,10 @@ def init_distributed(
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = _pick_device(local_rank, backend)
     if not dist.is_initialized():
+        # Activation checkpointing imports torch._dynamo on first use; imported after the process
+        # group exists, it keeps the group alive past destroy_process_group(), and gloo's threads
+        # then abort the process at exit. Imported first, it does not.
+        import torch._dynamo  # noqa: F401
         chosen = backend or ("nccl" if device.type == "cuda" else "gloo")
         kwargs: dict = {} if timeout is None else {"timeout": timeout}
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -188,6 +193,9 @@ def init_distributed(
         else:
             # No launcher: a world of one needs no rendezvous, only a store.
             dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+        # BMTrain programs never destroy the group; a group alive at interpreter shutdown can abort
+        # the process from gloo's threads. The group made here is destroyed at exit.
+        atexit.register(_destroy_at_exit)
     _CONTEXT = DistContext(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
@@ -198,6 +206,11 @@ def init_distributed(
     )
     _seed_everything(seed)
     return _CONTEXT
+
+
+def _destroy_at_exit() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def rank() -> int:
