@@ -1,0 +1,80 @@
+"""bmtwrap's optimizers in one process: their errors, and agreement with torch's AdamW."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import bmtwrap as bmt
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world():
+    if not bmt.dist.is_initialized():
+        bmt.init_distributed(seed=0)
+
+
+def wrapped_mlp(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)])
+    return copy.deepcopy(model), bmt.wrap(model)
+
+
+@pytest.mark.parametrize("cls", [bmt.optim.AdamOptimizer, bmt.optim.AdamOffloadOptimizer])
+def test_master_must_be_fp32(cls):
+    _, model = wrapped_mlp()
+    with pytest.raises(TypeError, match="the master copy must be fp32"):
+        cls(model.parameters(), master_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("cls", [bmt.optim.AdamOptimizer, bmt.optim.AdamOffloadOptimizer])
+def test_parameters_of_an_unwrapped_copy_are_refused(cls):
+    plain, _ = wrapped_mlp()
+    with pytest.raises(ValueError, match="none of the 6 parameters is sharded by bmtwrap"):
+        cls(plain.parameters())
+
+
+def test_parameters_on_meta_are_refused():
+    with torch.device("meta"):
+        layer = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="parameters are on"):
+        bmt.optim.AdamOptimizer(layer.parameters())
+
+
+@pytest.mark.parametrize("kwargs, message", [(dict(lr=-1.0), "lr, eps and weight_decay must be >= 0"),
+                                             (dict(betas=(0.9, 1.0)), r"betas must be in \[0, 1\)")])
+def test_bad_hyper_parameters(kwargs, message):
+    _, model = wrapped_mlp()
+    with pytest.raises(ValueError, match=message):
+        bmt.optim.AdamOptimizer(model.parameters(), **kwargs)
+
+
+def _train(model, optimizer, steps=4):
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+
+
+def test_state_of_another_shape_is_refused():
+    _, small = wrapped_mlp()
+    optimizer = bmt.optim.AdamOptimizer(small.parameters())
+    _train(small, optimizer, steps=1)
+    state = optimizer.state_dict()
+    first = next(iter(state["state"]))
+    state["state"][first]["exp_avg"] = torch.zeros(3)
+    other = bmt.optim.AdamOptimizer(wrapped_mlp()[1].parameters())
+    with pytest.raises(ValueError, match="has 3 elements but the parameter has"):
+        other.load_state_dict(state)
+
+
+@pytest.mark.parametrize("cls", [bmt.optim.AdamOptimizer, bmt.optim.AdamOffloadOptimizer])
+def test_matches_torch_adamw(cls):
+    plain, model = wrapped_mlp()
+    _train(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1))
+    _train(model, cls(model.parameters(), lr=1e-2, weight_decay=0.1))
+    full = bmt.full_state_dict(model)
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(full[name], value, rtol=1e-6, atol=1e-7, msg=name)
