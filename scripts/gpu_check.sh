@@ -13,7 +13,7 @@ BMTWRAP_CUDA_ARCH=${BMTWRAP_CUDA_ARCH:-90} python3 -m pip install -q --no-build-
     > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
 
-python3 -m pytest -q -m cuda -s tests/test_ops.py tests/test_gpu.py > "$OUT/gpu_tests.log" 2>&1
+python3 -m pytest -q -m cuda -s tests/test_ops.py tests/test_cuda_kernels.py tests/test_gpu.py > "$OUT/gpu_tests.log" 2>&1
 tests_rc=$?
 python3 -m torch.distributed.run --nproc_per_node=2 benchmarks/overlap_trace.py --out "$OUT" "$@" \
     > "$OUT/overlap.log" 2>&1
