@@ -9,7 +9,7 @@ activations; chunking them keeps a few hundred MiB alive instead.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 from torch import nn
