@@ -78,3 +78,24 @@ def test_matches_torch_adamw(cls):
     full = bmt.full_state_dict(model)
     for name, value in plain.state_dict().items():
         torch.testing.assert_close(full[name], value, rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("cls", [bmt.optim.AdamOptimizer, torch.optim.AdamW])
+def test_injected_inf_skips_the_step_and_shrinks_the_scale(cls):
+    _, model = wrapped_mlp()
+    optimizer = cls(model.parameters(), lr=1e-2)
+    manager = bmt.optim.OptimManager(loss_scale=1024.0)
+    manager.add_optimizer(optimizer)
+    before = bmt.full_state_dict(model)
+    manager.zero_grad()
+    manager.backward(model(torch.randn(5, 8)).square().mean())
+    next(iter(model.parameters())).grad[0] = float("inf")
+    assert manager.step() is False
+    assert manager.loss_scale == 512.0
+    after = bmt.full_state_dict(model)
+    assert all(torch.equal(before[k], after[k]) and torch.isfinite(after[k]).all() for k in before)
+    # A clean step afterwards goes through, unscaled.
+    manager.zero_grad()
+    manager.backward(model(torch.randn(5, 8)).square().mean())
+    assert manager.step() is True
+    assert not all(torch.equal(before[k], v) for k, v in bmt.full_state_dict(model).items())
