@@ -19,6 +19,8 @@ from . import ops
 __all__ = ["FusedCrossEntropy", "linear_cross_entropy"]
 
 _REDUCTIONS = ("mean", "sum", "none")
+# Rows of the weight gradient accumulated per matmul in linear_cross_entropy (bounds a temporary).
+_VOCAB_SLICE = 16384
 
 
 def _check(reduction: str, label_smoothing: float) -> None:
@@ -125,24 +127,29 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if grad_hidden is not None:
                     grad_hidden[start : start + chunk] = logits @ weight
                 if grad_weight is not None:
-                    # fp32 += low-precision product: no fp32 copy of the (chunk x V) logits is made.
-                    grad_weight.add_(logits.T @ h)
-        ctx.save_for_backward(grad_hidden, grad_weight)
+                    # fp32 += low-precision product, a slice of the vocabulary at a time: the product's
+                    # temporary stays small, and no fp32 copy of the logits is made.
+                    for v in range(0, logits.shape[1], _VOCAB_SLICE):
+                        grad_weight[v : v + _VOCAB_SLICE].add_(logits[:, v : v + _VOCAB_SLICE].T @ h)
+        ctx.grads = (grad_hidden, grad_weight)  # consumed (scaled in place) by the one backward
         ctx.weight_dtype = weight.dtype
         return total
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        grad_hidden, grad_weight = ctx.saved_tensors
+        if ctx.grads is None:
+            raise RuntimeError("linear_cross_entropy's backward runs once; retain_graph is not supported")
+        (grad_hidden, grad_weight), ctx.grads = ctx.grads, None
         scale = grad_out.float()
-        gh = grad_hidden * scale.to(grad_hidden.dtype) if grad_hidden is not None else None
-        gw = (grad_weight * scale).to(ctx.weight_dtype) if grad_weight is not None else None
+        # In place: a scaled copy of the fp32 weight gradient would double the peak.
+        gh = grad_hidden.mul_(scale.to(grad_hidden.dtype)) if grad_hidden is not None else None
+        gw = grad_weight.mul_(scale).to(ctx.weight_dtype) if grad_weight is not None else None
         return gh, gw, None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
                          ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-                         chunk_size: int = 4096) -> torch.Tensor:
+                         chunk_size: int = 2048) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T`` against ``target`` without materialising the logits.
 
     Rows are processed ``chunk_size`` at a time: each chunk's logits are computed, reduced to its

@@ -71,3 +71,15 @@ def test_loss_arguments_are_checked():
         bmt.loss.linear_cross_entropy(hidden, weight, target, reduction="none")
     with pytest.raises(ValueError, match=r"need hidden \(N, H\) and weight \(V, H\)"):
         bmt.loss.linear_cross_entropy(hidden, weight.T, target)
+
+
+def test_linear_cross_entropy_slices_the_vocabulary(monkeypatch):
+    """The weight gradient is accumulated a few vocabulary rows at a time: same result."""
+    monkeypatch.setattr(bmt.loss, "_VOCAB_SLICE", 3)
+    _, target, hidden, weight = data()
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    bmt.loss.linear_cross_entropy(h1, w1, target, chunk_size=4).backward()
+    F.cross_entropy(h2 @ w2.T, target).backward()
+    torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-5, atol=1e-6)
