@@ -38,15 +38,18 @@ def _grad_tensors(tree: Any) -> Tuple[List[Any], Any, List[int]]:
     return leaves, spec, wanted
 
 
-def _route_through(callback: Callable[[], None], tree: Any) -> Any:
-    """Pass every grad-requiring tensor of ``tree`` through one identity node whose backward calls ``callback``."""
+def _route_through(callback: Callable[[], None], tree: Any) -> Tuple[Any, bool]:
+    """Pass every grad-requiring tensor of ``tree`` through one identity node whose backward calls ``callback``.
+
+    Returns the new tree and whether any tensor needed it (the hook then exists and will fire).
+    """
     leaves, spec, wanted = _grad_tensors(tree)
     if not wanted:
-        return tree
+        return tree, False
     routed = _BackwardHook.apply(callback, *[leaves[i] for i in wanted])
     for i, tensor in zip(wanted, routed):
         leaves[i] = tensor
-    return pytree.tree_unflatten(leaves, spec)
+    return pytree.tree_unflatten(leaves, spec), True
 
 
 class _BackwardHook(torch.autograd.Function):
@@ -122,8 +125,7 @@ class BlockRunner:
 
         recording = torch.is_grad_enabled()
         if recording:
-            args, kwargs = _route_through(self.inputs_done, (args, kwargs))
-            inputs_need_grad = bool(_grad_tensors((args, kwargs))[2])
+            (args, kwargs), inputs_need_grad = _route_through(self.inputs_done, (args, kwargs))
             self._awaiting_inputs += int(inputs_need_grad)
             self._awaiting_params += int(self.group.trainable)
             eng.forward_with_grad(self)
@@ -141,7 +143,7 @@ class BlockRunner:
             eng.block_depth -= 1
 
         if recording:
-            out = _route_through(self.pre_backward, out)
+            out, _ = _route_through(self.pre_backward, out)
         # ZeRO-3 frees the parameters until backward, except those of the last block, which backward
         # needs first: releasing and gathering them again would only expose a gather.
         last = eng.order.known and self.next_block is None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Set
+from typing import Dict, List, Mapping
 
 import torch
 from torch import nn
@@ -52,7 +52,6 @@ def load_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], *,
     eng = engine()
     expected: Dict[str, torch.Tensor] = model.state_dict(keep_vars=True)
     _check_keys(expected, state_dict, strict)
-    touched: Set[int] = set()
     for key, target in expected.items():
         if key not in state_dict:
             continue
@@ -62,7 +61,6 @@ def load_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], *,
             piece = buffer.slots[index].piece
             flat = value.detach().reshape(-1)[piece.param_start : piece.param_end]
             target.copy_(flat.to(device=target.device, dtype=target.dtype))
-            touched.add(id(buffer))
             buffer.initialized = True
         else:
             target.copy_(value.to(device=target.device, dtype=target.dtype))

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from .. import ops
 from ..schedule import engine
+from .adam import AdamOffloadOptimizer, AdamOptimizer
 
 __all__ = ["OptimManager"]
 
@@ -91,8 +92,6 @@ class OptimManager:
 
     @staticmethod
     def _fuses_scale(optimizer: torch.optim.Optimizer) -> bool:
-        from .adam import AdamOffloadOptimizer, AdamOptimizer
-
         return isinstance(optimizer, (AdamOptimizer, AdamOffloadOptimizer))
 
     def _overflow(self) -> bool:
