@@ -10,7 +10,8 @@ on the GPU (``bmtwrap.materialize``); random token ids, labels = inputs; median 
 
 Precision: parameters, gathers and reductions in bf16. The optimizer (``--optimizer``):
 ``adam`` (default) is bmtwrap's fused Adam with an fp32 master copy and fp32 moments, the same
-precision as the FSDP2 baseline's fp32 parameters; ``offload`` keeps them in pinned CPU memory;
+precision as the FSDP2 baseline's fp32 parameters; ``offload`` keeps them in CPU memory and updates
+them there after backward; ``offload-in-backward`` starts each block's CPU update during backward;
 ``torch`` is torch's fused AdamW on the bf16 shards themselves (what a plain torch.optim user gets).
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import time
 
@@ -52,7 +54,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--checkpoint", default="true", choices=["true", "false", "auto"])
     parser.add_argument("--zero-level", type=int, default=3, choices=[2, 3])
-    parser.add_argument("--optimizer", default="adam", choices=["adam", "offload", "torch"])
+    parser.add_argument("--optimizer", default="adam", choices=["adam", "offload", "offload-in-backward", "torch"])
     args = parser.parse_args()
 
     ctx = bmt.init_distributed(seed=0, zero_level=args.zero_level)
@@ -69,6 +71,8 @@ def main() -> None:
     optimizer = {
         "adam": lambda: bmt.optim.AdamOptimizer(model.parameters(), lr=1e-4),
         "offload": lambda: bmt.optim.AdamOffloadOptimizer(model.parameters(), lr=1e-4),
+        "offload-in-backward": lambda: bmt.optim.AdamOffloadOptimizer(model.parameters(), lr=1e-4,
+                                                                      step_in_backward=True),
         "torch": lambda: torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True),
     }[args.optimizer]()
 
@@ -86,7 +90,7 @@ def main() -> None:
         torch.cuda.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
-    if args.optimizer == "offload":
+    if args.optimizer.startswith("offload"):
         optimizer.wait()  # the last step's CPU updates
     step = statistics.median(times)
     tokens = args.batch * args.seq
@@ -95,6 +99,7 @@ def main() -> None:
         activation_checkpointing=args.checkpoint, zero_level=args.zero_level, optimizer=args.optimizer,
         step_s=round(step, 4), tok_s_gpu=round(tokens / step, 1), mfu=round(per_token * tokens / step / PEAK_FLOPS, 4),
         peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), loss=round(loss.item(), 4),
+        host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
     )), flush=True)
     torch.distributed.destroy_process_group()
 

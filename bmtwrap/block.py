@@ -204,8 +204,8 @@ class BlockRunner:
             before.group.prefetch()
 
     def _reduced(self, group: ParamGroup, pending: List[PendingReduction]) -> None:
-        self._engine.add_reductions(pending)
         self._awaiting_params = max(0, self._awaiting_params - 1)
+        self._engine.add_reductions(pending, final=self._awaiting_params == 0)
         self._maybe_release()
 
     def inputs_done(self) -> None:

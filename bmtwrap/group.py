@@ -40,6 +40,9 @@ class ShardState(enum.Enum):
 
 Owner = Tuple[nn.Module, str]
 
+# Label of the buffers outside every block (the root group's name starts with it).
+ROOT_LABEL = "root"
+
 
 @dataclass(eq=False)
 class ParamSlot:
@@ -122,7 +125,7 @@ class FlatBuffer:
                 "call bmtwrap.materialize(model) or load a checkpoint before running the model"
             )
         self.check_parameters()
-        self._wait_writes()
+        self.wait_writes()
         storage = self.full.untyped_storage()
         nbytes = self.layout.padded_total * self.full.element_size()
         if storage.nbytes() != nbytes:
@@ -133,14 +136,19 @@ class FlatBuffer:
         self.state = ShardState.GATHERING
 
     def await_write(self, gate: Any, event: Any) -> None:
-        """The next gather must wait for ``gate`` (a threading.Event) and then ``event`` (a CUDA event)."""
+        """The next gather must wait for ``gate`` (a threading.Event) and then ``event`` (a CUDA event or None)."""
         self._writes.append((gate, event))
 
-    def _wait_writes(self) -> None:
+    def wait_writes(self) -> None:
+        """Wait for the shard's writes in flight: the host for each gate, the current stream for each event.
+
+        Whoever reads the local shard directly (a checkpoint) calls this first; gathers do it themselves.
+        """
         writes, self._writes = self._writes, []
         for gate, event in writes:
             gate.wait()
-            torch.cuda.current_stream(self.local.device).wait_event(event)
+            if event is not None:  # None: a CPU write, complete once the gate is set
+                torch.cuda.current_stream(self.local.device).wait_event(event)
 
     def check_parameters(self) -> None:
         """Every parameter must still be a view of this buffer's shard."""
@@ -170,7 +178,7 @@ class FlatBuffer:
     def prefetch(self) -> None:
         """Start a gather unless one is in flight or a fresh copy is already there."""
         if self.state is ShardState.SHARDED or (
-            self.state is ShardState.GATHERED and self._gathered_version != self._version()
+            self.state is ShardState.GATHERED and (self._writes or self._gathered_version != self._version())
         ):
             self.issue_gather()
 
@@ -276,7 +284,7 @@ class ParamRegistry:
             raise ValueError("this parameter is not sharded by bmtwrap")
         layout, local = param._standalone
         slot = ParamSlot(param, "", param._original_shape, 0, layout.piece(0, ctx.rank), ())
-        buffer = FlatBuffer(ctx, layout, local, [slot], param.requires_grad, label="root")
+        buffer = FlatBuffer(ctx, layout, local, [slot], param.requires_grad, label=ROOT_LABEL)
         self.add(buffer)
         return buffer, 0
 

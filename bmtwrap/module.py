@@ -19,7 +19,7 @@ from torch import nn
 
 from .block import Block, shard_full_tensors
 from .collectives import all_gather, all_reduce_mean
-from .group import ParamGroup, PendingReduction, find_owners, full_value, lone_group
+from .group import ROOT_LABEL, ParamGroup, PendingReduction, find_owners, full_value, lone_group
 from .param import DistributedParameter
 from .schedule import Engine, engine
 
@@ -65,7 +65,7 @@ class RootRunner:
                     lone.append((name, param))
             elif eng.registry.lookup(param) is None:
                 replicated.append(param)
-        group = lone_group(eng.ctx, eng.registry, lone, find_owners(module), f"root of {type(module).__name__}",
+        group = lone_group(eng.ctx, eng.registry, lone, find_owners(module), f"{ROOT_LABEL} of {type(module).__name__}",
                            lambda g, p: None)
         return cls(eng, group, replicated)
 

@@ -17,13 +17,14 @@ it runs, and a prefetched block that does not run is released at the end of the 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Optional, Protocol
+import weakref
+from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tuple
 
 import torch
 from torch.autograd import Variable
 
 from .dist import DistContext, current
-from .group import ParamGroup, ParamRegistry, PendingReduction
+from .group import FlatBuffer, ParamGroup, ParamRegistry, PendingReduction
 
 __all__ = ["Engine", "ExecutionOrder", "Linked", "Participant", "engine"]
 
@@ -86,7 +87,11 @@ class Engine:
         self.block_depth = 0  # > 0 while a block's module runs
         self.blocks_built = 0  # numbers block names, for messages and traces
         self.wrapped: Dict[int, Any] = {}  # id(model) -> what bmtwrap.wrap made of it (wrap.convert.Wrapped)
-        self._pending: List[PendingReduction] = []
+        # Reductions in flight, each with whether it is the buffer's last in this backward.
+        self._pending: List[Tuple[PendingReduction, bool]] = []
+        # Told of each buffer whose gradient is final for this backward (an optimizer stepping in
+        # backward); weak, so that a discarded optimizer drops out.
+        self._grad_listeners: List["weakref.WeakMethod[Callable[[FlatBuffer], None]]"] = []
         self._in_backward: List[Participant] = []  # participants that ran forward with grad
         self._callback_task = -1  # the autograd graph task our end-of-backward callback is queued on
 
@@ -108,15 +113,36 @@ class Engine:
             Variable._execution_engine.queue_callback(self._backward_finished)
             self._callback_task = task
 
-    def add_reductions(self, pending: List[PendingReduction]) -> None:
+    def add_reductions(self, pending: List[PendingReduction], *, final: bool = False) -> None:
+        """Reductions just issued; ``final``: no more gradient reaches these buffers in this backward."""
         self.backward_started()
-        self._pending.extend(pending)
+        self._pending.extend((reduction, final) for reduction in pending)
         while len(self._pending) > MAX_PENDING:
-            self._pending.pop(0).finish()
+            self._finish_oldest()
 
     def finish_reductions(self) -> None:
         while self._pending:
-            self._pending.pop(0).finish()
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        reduction, final = self._pending.pop(0)
+        reduction.finish()
+        if final:
+            for listener in list(self._grad_listeners):
+                method = listener()
+                if method is None:
+                    self._grad_listeners.remove(listener)
+                else:
+                    method(reduction.buffer)
+
+    def listen_for_final_grads(self, method: Callable[[FlatBuffer], None]) -> None:
+        """Call the bound ``method(buffer)`` whenever a buffer's gradient shard is final for this backward.
+
+        Final means the block ran as many backward passes as it ran forwards since the last
+        step; the root group's buffers are never reported (their gradients complete only when
+        the whole backward does).
+        """
+        self._grad_listeners.append(weakref.WeakMethod(method))
 
     @contextlib.contextmanager
     def roots_shown(self) -> Iterator[None]:
@@ -137,7 +163,7 @@ class Engine:
         if self._callback_task == -1 or torch._C._current_graph_task_id() != -1:
             return
         pending, self._pending = self._pending, []
-        for reduction in pending:
+        for reduction, _ in pending:
             reduction.discard()
         participants, self._in_backward = self._in_backward, []
         for participant in participants:

@@ -17,7 +17,8 @@ WORLD_SIZES = [1, 2, 3, 4]
 TRAINING = [
     "zero3_checkpoint", "zero3_no_checkpoint", "zero2_checkpoint", "zero2_no_checkpoint", "accumulate_2",
     "accumulate_2_zero2_no_checkpoint", "frozen_layer", "three_hidden", "optim_manager", "optim_manager_loss_scale",
-    "adam_optimizer", "adam_offload_optimizer", "adam_optimizer_manager_scaled",
+    "adam_optimizer", "adam_offload_optimizer", "adam_optimizer_manager_scaled", "adam_offload_in_backward",
+    "adam_offload_in_backward_no_checkpoint",
 ]
 
 
@@ -47,10 +48,19 @@ def test_float64_is_exact(results):
     assert r["param_max_abs"] <= 1e-12, f"world {world}: {r['param_worst']} differs by {r['param_max_abs']:.3g}"
 
 
-@pytest.mark.parametrize("name", ["resume_adam", "resume_offload"])
+@pytest.mark.parametrize("name", ["resume_adam", "resume_offload", "resume_offload_in_backward"])
 def test_optimizer_state_resumes_bit_exactly(results, name):
     world, r = _case(results, name)
     assert r["losses_equal"] and r["params_equal"], f"world {world}: {r}"
+
+
+def test_offload_steps_in_backward(results):
+    world, r = _case(results, "offload_updates_in_backward")
+    assert r["blocks_moved_in_backward"] and r["block_grads_handed_over"], f"world {world}: {r}"
+    assert r["root_waited_for_step"] and r["root_moved_after_step"], f"world {world}: {r}"
+    assert "clip_grad_norm needs every gradient" in r["errors"]["clip"]
+    assert "before a loss scale could be checked" in r["errors"]["scale"]
+    assert "cannot apply grad_scale=0.5" in r["errors"]["grad_scale"]
 
 
 def test_return_hidden_states(results):

@@ -12,7 +12,6 @@ the update, so unscaling and clipping cost no extra pass over the gradients.
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -20,7 +19,9 @@ from torch.autograd.graph import increment_version
 
 from .. import ops
 from ..dist import is_initialized
+from ..group import ROOT_LABEL
 from ..schedule import engine
+from .offload import DEFAULT_CHUNK_NUMEL, DEFAULT_SLOTS, OffloadPipeline, OffloadTask
 
 __all__ = ["AdamOffloadOptimizer", "AdamOptimizer"]
 
@@ -113,17 +114,18 @@ class _AdamBase(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None or p.numel() == 0:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state.update(self._new_state(p))
-                state["step"] += 1
-                work.append((p, state, self._hyper(group, state["step"], grad_scale)))
+        work = [self._advance(p, group, grad_scale) for group in self.param_groups for p in group["params"]
+                if p.grad is not None and p.numel() > 0]
         return loss, work
+
+    def _advance(self, p: torch.Tensor, group: Dict[str, Any],
+                 grad_scale: float) -> Tuple[torch.Tensor, Dict[str, Any], Dict[str, Any]]:
+        """Count one more step for ``p``; return it with its state and this update's hyper-parameters."""
+        state = self.state[p]
+        if not state:
+            state.update(self._new_state(p))
+        state["step"] += 1
+        return p, state, self._hyper(group, state["step"], grad_scale)
 
     @staticmethod
     def _hyper(group: Dict[str, Any], step: int, grad_scale: float) -> Dict[str, Any]:
@@ -174,128 +176,128 @@ class AdamOptimizer(_AdamBase):
 
 
 class AdamOffloadOptimizer(_AdamBase):
-    """Adam(W) whose fp32 master and moments live in pinned CPU memory.
+    """Adam(W) whose fp32 master and moments live in CPU memory.
 
-    ``step()`` copies each gradient shard to the CPU, updates it there with the vectorised CPU
-    kernel on a worker thread, and copies the new parameter back, pipelined parameter by
-    parameter, in the order the model's forward needs them. It returns once every update is
-    queued; a parameter's gather (the next forward) waits for its own copy only, so the CPU work
-    overlaps the next forward.
+    Each step copies gradient shards to the CPU through a bounded ring of pinned staging buffers,
+    updates them there with the vectorised CPU kernel on a worker thread and copies the new
+    parameters back, chunk by chunk (see [Note: offload pipeline] in ``optim/offload.py``). The
+    GPU keeps only the parameters (and, until they are copied, the gradients).
 
-    Args: as :class:`AdamOptimizer`.
+    By default ``step()`` queues the work and returns; the next forward waits, block by block,
+    only for the parameters it gathers, so the CPU update overlaps that forward.
+
+    With ``step_in_backward=True`` each block's update starts during backward, as soon as its
+    gradient shard is final, so the CPU works while the GPU computes the rest of backward, and its
+    gradient memory is freed once copied; ``step()`` then updates what is left (the parameters
+    outside blocks, whose gradients complete with backward) and puts the remaining work in the
+    order the next forward needs it. That requires every backward to be one optimizer step with
+    the hyper-parameters of the moment: no gradient accumulation over several backward passes,
+    no gradient clipping and no loss scaling (the manager refuses both), and ``.grad`` of the
+    updated parameters is ``None`` after backward.
+
+    Args:
+        params, lr, betas, eps, weight_decay, decoupled, master_dtype: as :class:`AdamOptimizer`.
+        step_in_backward: start each block's update during backward (see above); needs a
+            distributed context (``bmtwrap.init_distributed()``).
+        chunk_numel: elements per pipelined chunk.
+        staging_slots: pinned staging buffers; pinned memory is ``staging_slots * chunk_numel *
+            (gradient + parameter bytes)``.
+
+    Raises:
+        ValueError, TypeError: as :class:`AdamOptimizer`; ``step_in_backward`` without a
+            distributed context.
+
+    Example::
+
+        optimizer = bmt.optim.AdamOffloadOptimizer(model.parameters(), lr=1e-4, step_in_backward=True)
+        for batch in data:
+            model(**batch).loss.backward()   # blocks are updated on the CPU while backward runs
+            optimizer.step()
+            optimizer.zero_grad()
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, decoupled: bool = True,
-                 master_dtype: torch.dtype = torch.float32) -> None:
+                 master_dtype: torch.dtype = torch.float32, step_in_backward: bool = False,
+                 chunk_numel: int = DEFAULT_CHUNK_NUMEL, staging_slots: int = DEFAULT_SLOTS) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, decoupled, master_dtype, "AdamOffloadOptimizer")
-        self._worker: Optional[threading.Thread] = None
-        self._error: List[BaseException] = []
+        device = next(p.device for g in self.param_groups for p in g["params"])
+        self._pipeline = OffloadPipeline(device, chunk_numel=chunk_numel, slots=staging_slots)
+        # Forward order: parameters outside blocks (gathered first, with the root) go first, then
+        # the optimizer's own order, which is the model's.
+        self._priority: Dict[int, int] = {}
+        self._group_of: Dict[int, Dict[str, Any]] = {}
+        registry = engine().registry if is_initialized() else None
+        for group in self.param_groups:
+            for index, p in enumerate(group["params"]):
+                found = registry.lookup(p) if registry is not None else None
+                outside = found is None or found[0].label.startswith(ROOT_LABEL)
+                self._priority[id(p)] = len(self._priority) - (0 if not outside else 1 << 40)
+                self._group_of[id(p)] = group
+        self.step_in_backward = step_in_backward
+        if step_in_backward:
+            if not is_initialized():
+                raise ValueError("AdamOffloadOptimizer(step_in_backward=True) needs bmtwrap.init_distributed() "
+                                 "first: the engine tells it when each block's gradient is final")
+            engine().listen_for_final_grads(self._grads_final)
 
     def _state_device(self, param: torch.Tensor) -> torch.device:
         return torch.device("cpu")
 
-    def _new_state(self, p: torch.Tensor) -> Dict[str, Any]:
-        state = super()._new_state(p)
-        pin = p.is_cuda
-        for key in ("exp_avg", "exp_avg_sq", "master"):
-            if pin and key in state:
-                state[key] = state[key].pin_memory()
-        if p.is_cuda:
-            state["grad_host"] = torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
-            state["param_host"] = torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
-        return state
-
-    def _place(self, param: torch.Tensor, name: str, value: Any) -> Any:
-        placed = super()._place(param, name, value)
-        if isinstance(placed, torch.Tensor) and param.is_cuda:
-            if name in ("grad_host", "param_host"):
-                return torch.empty(param.shape, dtype=param.dtype, pin_memory=True)
-            return placed.pin_memory()
-        return placed
-
     def state_dict(self) -> Dict[str, Any]:
         self.wait()
-        full = super().state_dict()
-        for entry in full["state"].values():
-            entry.pop("grad_host", None)
-            entry.pop("param_host", None)
-        return full
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.wait()
+        super().load_state_dict(state_dict)
 
     def wait(self) -> None:
-        """Block until the last step's updates are written back."""
-        if self._worker is not None:
-            self._worker.join()
-            self._worker = None
-        if self._error:
-            error, self._error = self._error[0], []
-            raise error
+        """Block until every queued update is written back (the host side; CUDA copies may still run)."""
+        self._pipeline.wait()
+
+    def _queue(self, work: List[Tuple[torch.Tensor, Dict[str, Any], Dict[str, Any]]]) -> None:
+        """Hand updates to the pipeline; the next gather of each parameter waits for its own."""
+        tasks = [OffloadTask(p.detach(), state, hyper, p.grad.detach(), self._priority[id(p)])
+                 for p, state, hyper in work]
+        self._pipeline.submit(tasks)
+        registry = engine().registry if is_initialized() else None
+        for (p, _, _), task in zip(work, tasks):
+            found = registry.lookup(p) if registry is not None else None
+            if found is not None:
+                found[0].await_write(task.gate, task.written)
+            else:
+                # No gather stands between this parameter and its next reader (a replicated one):
+                # the caller's stream waits here. These go first, so the wait is short.
+                task.gate.wait()
+                self._pipeline.raise_error()
+                if task.written is not None:
+                    torch.cuda.current_stream(p.device).wait_event(task.written)
+
+    def _grads_final(self, buffer: Any) -> None:
+        """The engine's report, during backward: ``buffer``'s gradient shard is final."""
+        work = []
+        for slot in buffer.slots:
+            p = slot.param
+            group = self._group_of.get(id(p))
+            if group is None or p.grad is None or p.numel() == 0:
+                continue
+            work.append(self._advance(p, group, 1.0))
+        self._queue(work)
+        for p, _, _ in work:
+            p.grad = None  # handed over: the pipeline holds it until copied
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scale: float = 1.0) -> Any:
-        self.wait()
+        if self.step_in_backward and grad_scale != 1.0:
+            raise ValueError("AdamOffloadOptimizer(step_in_backward=True) updated the blocks during backward "
+                             f"with the gradients as they were; it cannot apply grad_scale={grad_scale} (loss "
+                             "scaling or clipping) afterwards: use step_in_backward=False for that")
+        if not self.step_in_backward:
+            self.wait()
         loss, work = self._prepare(closure, grad_scale)
-        if not work:
-            return loss
-        if not work[0][0].is_cuda:
-            for p, state, hyper in work:  # CPU parameters: nothing to overlap with
-                self._update_on_cpu(p, state, hyper, p.grad.detach())
-                increment_version(p)
-            return loss
-        self._pipeline(work)
+        self._pipeline.prioritise()
+        self._queue(work)
+        if self._pipeline.device.type == "cpu" and not self.step_in_backward:
+            self.wait()  # nothing to overlap with on a CPU-only machine
         return loss
-
-    def _update_on_cpu(self, p: torch.Tensor, state: Dict[str, Any], hyper: Dict[str, Any],
-                       grad: torch.Tensor) -> torch.Tensor:
-        """Update master and moments; return the host tensor holding the new parameter value."""
-        master = state.get("master", p)
-        if p.dtype == torch.float32:
-            out = None  # the master is the new value
-        else:
-            out = state["param_host"] if p.is_cuda else p
-        ops.adam_step_cpu(master.view(-1), grad.reshape(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
-                          out=None if out is None else out.view(-1), **hyper)
-        return master if out is None else out
-
-    def _pipeline(self, work: List[Tuple[torch.Tensor, Dict[str, Any], Dict[str, Any]]]) -> None:
-        """D2H of every gradient (queued at once) → CPU update per parameter → H2D per parameter."""
-        device = work[0][0].device
-        d2h = torch.cuda.Stream(device)
-        h2d = torch.cuda.Stream(device)
-        compute = torch.cuda.current_stream(device)
-        d2h.wait_stream(compute)  # gradients are final on the compute stream
-        fetched = []
-        with torch.cuda.stream(d2h):
-            for p, state, _ in work:
-                p.grad.record_stream(d2h)  # zero_grad() may drop it before the copy has read it
-                state["grad_host"].copy_(p.grad.detach(), non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(d2h)
-                fetched.append(event)
-        # Until its copy lands, each parameter's next gather must wait: the engine checks this.
-        written = [torch.cuda.Event() for _ in work]
-        gates = [threading.Event() for _ in work]
-        registry = engine().registry if is_initialized() else None
-        for (p, _, _), gate, event in zip(work, gates, written):
-            if registry is not None:
-                found = registry.lookup(p)
-                if found is not None:
-                    found[0].await_write(gate, event)
-
-        def run() -> None:
-            try:
-                for (p, state, hyper), ready, gate, event in zip(work, fetched, gates, written):
-                    ready.synchronize()
-                    value = self._update_on_cpu(p, state, hyper, state["grad_host"])
-                    with torch.cuda.stream(h2d):
-                        p.detach().copy_(value, non_blocking=True)
-                        event.record(h2d)
-                    increment_version(p)
-                    gate.set()
-            except BaseException as error:  # surfaced by wait(); release waiters first
-                self._error.append(error)
-                for gate in gates:
-                    gate.set()
-
-        self._worker = threading.Thread(target=run, name="bmtwrap-offload-adam", daemon=True)
-        self._worker.start()

@@ -71,6 +71,10 @@ class OptimManager:
         """Manage ``optimizer`` (any ``torch.optim.Optimizer``) and step ``lr_scheduler`` with it."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"add_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if self.loss_scale_enabled and getattr(optimizer, "step_in_backward", False):
+            raise ValueError("this optimizer steps in backward (step_in_backward=True), before a loss scale could "
+                             "be checked for overflow; use OptimManager(loss_scale=None) (bf16 needs none) or "
+                             "step_in_backward=False")
         self.optimizers.append(optimizer)
         self.lr_schedulers.append(lr_scheduler)
 
@@ -112,6 +116,9 @@ class OptimManager:
         replicated parameters counted once. Returns the norm before clipping (unscaled); the
         clipping itself joins the pending factor that the step applies.
         """
+        if any(getattr(o, "step_in_backward", False) for o in self.optimizers):
+            raise ValueError("clip_grad_norm needs every gradient before any update, but an optimizer steps in "
+                             "backward (step_in_backward=True); use step_in_backward=False to clip")
         eng = engine()
         ctx = eng.ctx
         params = [p for p in self._params(param_groups) if p.grad is not None]

@@ -27,7 +27,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import dist as _dist
 from ..block import Block, BlockRunner, shard_full_tensors
-from ..group import ParamGroup, build_group
+from ..group import ROOT_LABEL, ParamGroup, build_group
 from ..module import RootRunner
 from ..schedule import engine
 from .adapters import ModelAdapter, adapter_for
@@ -275,7 +275,7 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
         _install_forward(module, runner)
         runners.append((module, runner))
     owned = {id(slot.param) for _, runner in runners for slot in runner.group.slots}
-    root_group = build_group(ctx, eng.registry, model, "root", lambda g, p: None, reduce_dtype,
+    root_group = build_group(ctx, eng.registry, model, ROOT_LABEL, lambda g, p: None, reduce_dtype,
                              exclude=owned, allow_meta=True)
     root = RootRunner(eng, root_group, replicated=[])
     _attach_root(model, root)

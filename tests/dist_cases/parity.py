@@ -36,6 +36,9 @@ OPTIMIZERS = {
     "torch": lambda params: torch.optim.AdamW(params, lr=LR, eps=EPS, weight_decay=0.01),
     "adam": lambda params: bmt.optim.AdamOptimizer(params, lr=LR, eps=EPS, weight_decay=0.01),
     "offload": lambda params: bmt.optim.AdamOffloadOptimizer(params, lr=LR, eps=EPS, weight_decay=0.01),
+    # Small chunks and two slots so that the tiny model's parameters still span several chunks.
+    "offload_in_backward": lambda params: bmt.optim.AdamOffloadOptimizer(
+        params, lr=LR, eps=EPS, weight_decay=0.01, step_in_backward=True, chunk_numel=100, staging_slots=2),
 }
 
 
@@ -114,14 +117,14 @@ def resume(optimizer: str) -> Dict[str, Any]:
     return {"losses_equal": got == expected, "params_equal": all(torch.equal(a[k], b[k]) for k in a)}
 
 
-def offload_matches_adam() -> Dict[str, Any]:
+def offload_matches_adam(other: str) -> Dict[str, Any]:
     """GPU: AdamOffloadOptimizer (CPU kernel, copy streams, a worker thread, gathers waiting on
     write-backs) against AdamOptimizer (fused CUDA kernel): the same math, so the same training."""
     rank, world = bmt.rank(), bmt.world_size()
     data = torch.randint(0, 64, (12, 17), generator=torch.Generator().manual_seed(9)).to(DEVICE)
     share = data[rank * (12 // world) : (rank + 1) * (12 // world)]
     results = []
-    for name in ("adam", "offload"):
+    for name in ("adam", other):
         _, model = build(DTYPE)
         opt = OPTIMIZERS[name](model.parameters())
         losses = []
@@ -131,7 +134,7 @@ def offload_matches_adam() -> Dict[str, Any]:
             loss.backward()
             opt.step()
             losses.append(bmt.sum_loss(loss).item())
-        if name == "offload":
+        if name != "adam":
             opt.wait()
         masters = torch.cat([opt.state[p]["master"].float().cpu().view(-1) for p in model.parameters()
                              if p in opt.state and "master" in opt.state[p]])
@@ -140,6 +143,39 @@ def offload_matches_adam() -> Dict[str, Any]:
     return {"loss_max_rel": max(abs(a - b) / abs(a) for a, b in zip(l1, l2)),
             "param_max_abs": max((s1[k].float() - s2[k].float()).abs().max().item() for k in s1),
             "master_max_rel": ((m1 - m2).abs().max() / m1.abs().max()).item()}
+
+
+def offload_updates_in_backward() -> Dict[str, Any]:
+    """step_in_backward: blocks are updated by the end of backward (their .grad handed over), the root
+    parameters only by step(); the errors for clipping and loss scaling."""
+    rank, world = bmt.rank(), bmt.world_size()
+    _, model = build(DTYPE)
+    opt = OPTIMIZERS["offload_in_backward"](model.parameters())
+    data = torch.randint(0, 64, (12, 17), generator=torch.Generator().manual_seed(10)).to(DEVICE)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    model.loss(data[rank * (12 // world) : (rank + 1) * (12 // world)]).backward()
+    opt.wait()
+    in_blocks = {name: "layers" in name for name, _ in model.named_parameters()}
+    moved = {name: not torch.equal(before[name], p.detach()) for name, p in model.named_parameters() if p.numel()}
+    grads = {name: p.grad is not None for name, p in model.named_parameters() if p.numel()}
+    opt.step()
+    opt.wait()
+    root_moved = all(not torch.equal(before[n], p.detach()) for n, p in model.named_parameters()
+                     if p.numel() and not in_blocks[n])
+    errors = {}
+    manager = bmt.optim.OptimManager()
+    manager.add_optimizer(opt)
+    for label, call in (("clip", lambda: manager.clip_grad_norm(opt.param_groups, 1.0)),
+                        ("scale", lambda: bmt.optim.OptimManager(loss_scale=1024.0).add_optimizer(opt)),
+                        ("grad_scale", lambda: opt.step(grad_scale=0.5))):
+        try:
+            call()
+        except ValueError as error:
+            errors[label] = str(error)
+    return {"blocks_moved_in_backward": all(moved[n] for n in moved if in_blocks[n]),
+            "root_waited_for_step": not any(moved[n] for n in moved if not in_blocks[n]),
+            "block_grads_handed_over": not any(grads[n] for n in grads if in_blocks[n]),
+            "root_moved_after_step": root_moved, "errors": errors}
 
 
 def hidden_states() -> Dict[str, Any]:
@@ -178,9 +214,13 @@ CASES = {
     "optim_manager_loss_scale": lambda: train(manager="scaled"),
     "adam_optimizer": lambda: train(optimizer="adam"),
     "adam_offload_optimizer": lambda: train(optimizer="offload"),
+    "adam_offload_in_backward": lambda: train(optimizer="offload_in_backward"),
+    "adam_offload_in_backward_no_checkpoint": lambda: train(optimizer="offload_in_backward", use_checkpoint=False),
     "adam_optimizer_manager_scaled": lambda: train(optimizer="adam", manager="scaled"),
     "resume_adam": lambda: resume("adam"),
     "resume_offload": lambda: resume("offload"),
+    "resume_offload_in_backward": lambda: resume("offload_in_backward"),
+    "offload_updates_in_backward": offload_updates_in_backward,
     "hidden_states": hidden_states,
     "eval_no_grad": eval_no_grad,
 }
@@ -190,7 +230,8 @@ if DEVICE == "cuda":
     # A bf16 reference trained by torch's AdamW keeps no fp32 master, so it is no reference for ours.
     for name in [n for n in CASES if "adam" in n or "offload" in n]:
         del CASES[name]
-    CASES["offload_matches_adam"] = offload_matches_adam
+    CASES["offload_matches_adam"] = lambda: offload_matches_adam("offload")
+    CASES["offload_in_backward_matches_adam"] = lambda: offload_matches_adam("offload_in_backward")
 
 if __name__ == "__main__":
     run(CASES)
