@@ -42,6 +42,7 @@ from typing import NamedTuple
 import torch
 
 from bmtwrap import ops
+from bmtwrap.optim.offload import advise_huge_pages
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 COPY_NUMEL = 128 * 1024 * 1024  # 512 MiB of fp32 per buffer: far beyond any last-level cache
@@ -57,21 +58,31 @@ class Contender(NamedTuple):
     step: Callable[[], object]
 
 
+HUGE_PAGES = False  # --huge-pages: every contender's buffers on transparent huge pages
+
+
+def _buffer(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    tensor = torch.empty(numel, dtype=dtype)
+    if HUGE_PAGES:
+        advise_huge_pages(tensor)  # before the first touch, as AdamOffloadOptimizer allocates its state
+    return tensor.zero_()
+
+
 def make_state(numel: int, grad_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     generator = torch.Generator().manual_seed(0)
-    param = torch.randn(numel, generator=generator)
-    grad = torch.randn(numel, generator=generator).to(grad_dtype)
-    return param, grad, torch.zeros(numel), torch.zeros(numel)
+    param = _buffer(numel).copy_(torch.randn(numel, generator=generator))
+    grad = _buffer(numel, grad_dtype).copy_(torch.randn(numel, generator=generator))
+    return param, grad, _buffer(numel), _buffer(numel)
 
 
 def copy_contender() -> Contender:
-    src, dst = torch.randn(COPY_NUMEL), torch.empty(COPY_NUMEL)
+    src, dst = _buffer(COPY_NUMEL).normal_(), _buffer(COPY_NUMEL)
     return Contender("copy", "torch copy_", COPY_NUMEL, 8, lambda: dst.copy_(src))
 
 
 def bmtwrap_contender(numel: int, grad_dtype: torch.dtype, copy_dtype: torch.dtype | None) -> Contender:
     param, grad, exp_avg, exp_avg_sq = make_state(numel, grad_dtype)
-    out = None if copy_dtype is None else torch.empty(numel, dtype=copy_dtype)
+    out = None if copy_dtype is None else _buffer(numel, copy_dtype)
     step = 0
 
     def one_step() -> None:
@@ -122,12 +133,16 @@ def median_seconds(contenders: list[Contender], *, warmup: int, steps: int, sett
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--huge-pages", action="store_true",
+                        help="allocate every contender's buffers on transparent huge pages (madvise)")
     parser.add_argument("--numel", type=int, default=64 * 1024 * 1024, help="parameters (default 64 Mi)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps, median reported (default 5)")
     parser.add_argument("--settle", type=float, default=0.05,
                         help="seconds to sleep before each timed step (default 0.05; see median_seconds)")
     args = parser.parse_args()
+    global HUGE_PAGES
+    HUGE_PAGES = args.huge_pages
 
     torch_adamw = lambda params: torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                                                    foreach=True)
@@ -156,7 +171,8 @@ def main() -> None:
             "numel": contender.numel, "bytes_per_element": contender.bytes_per_element,
         }), flush=True)
 
-    print(f"\n{'implementation':<52} {'M elem/s':>9} {'GB/s':>6}   threads={threads}, numel={args.numel:,}, "
+    print(f"\nhuge pages: {HUGE_PAGES}")
+    print(f"{'implementation':<52} {'M elem/s':>9} {'GB/s':>6}   threads={threads}, numel={args.numel:,}, "
           f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus")
     for contender in contenders:
         rate = rates[contender.impl]

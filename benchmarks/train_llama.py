@@ -55,6 +55,8 @@ def main() -> None:
     parser.add_argument("--checkpoint", default="true", choices=["true", "false", "auto"])
     parser.add_argument("--zero-level", type=int, default=3, choices=[2, 3])
     parser.add_argument("--optimizer", default="adam", choices=["adam", "offload", "offload-in-backward", "torch"])
+    parser.add_argument("--offload-threads", type=int, default=None,
+                        help="CPU threads of the offloaded update (default: the optimizer's)")
     args = parser.parse_args()
 
     ctx = bmt.init_distributed(seed=0, zero_level=args.zero_level)
@@ -70,9 +72,10 @@ def main() -> None:
     model.train()
     optimizer = {
         "adam": lambda: bmt.optim.AdamOptimizer(model.parameters(), lr=1e-4),
-        "offload": lambda: bmt.optim.AdamOffloadOptimizer(model.parameters(), lr=1e-4),
-        "offload-in-backward": lambda: bmt.optim.AdamOffloadOptimizer(model.parameters(), lr=1e-4,
-                                                                      step_in_backward=True),
+        "offload": lambda: bmt.optim.AdamOffloadOptimizer(model.parameters(), lr=1e-4,
+                                                          cpu_threads=args.offload_threads),
+        "offload-in-backward": lambda: bmt.optim.AdamOffloadOptimizer(
+            model.parameters(), lr=1e-4, step_in_backward=True, cpu_threads=args.offload_threads),
         "torch": lambda: torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True),
     }[args.optimizer]()
 
@@ -97,7 +100,7 @@ def main() -> None:
     bmt.print_rank("RESULT " + json.dumps(dict(
         system="bmtwrap", size=args.size, world=ctx.world_size, batch=args.batch, seq=args.seq, params=params,
         activation_checkpointing=args.checkpoint, zero_level=args.zero_level, optimizer=args.optimizer,
-        step_s=round(step, 4), tok_s_gpu=round(tokens / step, 1), mfu=round(per_token * tokens / step / PEAK_FLOPS, 4),
+        offload_threads=args.offload_threads, step_s=round(step, 4), tok_s_gpu=round(tokens / step, 1), mfu=round(per_token * tokens / step / PEAK_FLOPS, 4),
         peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), loss=round(loss.item(), 4),
         host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
     )), flush=True)

@@ -274,6 +274,7 @@ def adam_step_cpu(
     grad_scale: float = 1.0,
     decoupled: bool = True,
     out: torch.Tensor | None = None,
+    num_threads: int | None = None,
 ) -> None:
     """One AdamW (or Adam) step on CPU tensors, in place, in a single pass over memory.
 
@@ -305,6 +306,8 @@ def adam_step_cpu(
         decoupled: True (default) for AdamW's decoupled weight decay, False for Adam's L2 penalty.
         out: optional float16 or bfloat16 tensor, written with the updated parameters (the copy that goes
             to the GPU). Default None.
+        num_threads: threads to run on; default None: ``torch.get_num_threads()``, which honours the
+            user's ``torch.set_num_threads()``.
 
     All tensors must be contiguous CPU tensors with the same number of elements and no shared memory.
 
@@ -327,14 +330,16 @@ def adam_step_cpu(
     """
     hyper = _check_adam_hyper(lr, beta1, beta2, eps, weight_decay, step, grad_scale, decoupled)
     _check_adam_tensors(param, grad, exp_avg, exp_avg_sq, out)
+    if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
+        raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
     if param.numel() == 0:
         return
     ext = _extension_for(param.device)
     if ext is None:
         _adam_reference(param, grad, exp_avg, exp_avg_sq, **hyper._asdict(), out=out)
         return
-    # torch.get_num_threads() so that the kernel honours the user's torch.set_num_threads().
-    _adam_cpu(ext, param, grad, exp_avg, exp_avg_sq, hyper, out, torch.get_num_threads(), ext.CpuIsa.best)
+    threads = torch.get_num_threads() if num_threads is None else num_threads
+    _adam_cpu(ext, param, grad, exp_avg, exp_avg_sq, hyper, out, threads, ext.CpuIsa.best)
 
 
 def _adam_step_cpu_with(

@@ -21,7 +21,7 @@ from .. import ops
 from ..dist import is_initialized
 from ..group import ROOT_LABEL
 from ..schedule import engine
-from .offload import DEFAULT_CHUNK_NUMEL, DEFAULT_SLOTS, OffloadPipeline, OffloadTask
+from .offload import DEFAULT_CHUNK_NUMEL, DEFAULT_SLOTS, OffloadPipeline, OffloadTask, host_zeros
 
 __all__ = ["AdamOffloadOptimizer", "AdamOptimizer"]
 
@@ -202,6 +202,8 @@ class AdamOffloadOptimizer(_AdamBase):
         chunk_numel: elements per pipelined chunk.
         staging_slots: pinned staging buffers; pinned memory is ``staging_slots * chunk_numel *
             (gradient + parameter bytes)``.
+        cpu_threads: threads of the CPU update; default: ``torch.get_num_threads()``, less one when
+            the parameters are on a GPU (the training loop's thread keeps a core to launch GPU work).
 
     Raises:
         ValueError, TypeError: as :class:`AdamOptimizer`; ``step_in_backward`` without a
@@ -219,10 +221,14 @@ class AdamOffloadOptimizer(_AdamBase):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, decoupled: bool = True,
                  master_dtype: torch.dtype = torch.float32, step_in_backward: bool = False,
-                 chunk_numel: int = DEFAULT_CHUNK_NUMEL, staging_slots: int = DEFAULT_SLOTS) -> None:
+                 chunk_numel: int = DEFAULT_CHUNK_NUMEL, staging_slots: int = DEFAULT_SLOTS,
+                 cpu_threads: Optional[int] = None) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, decoupled, master_dtype, "AdamOffloadOptimizer")
         device = next(p.device for g in self.param_groups for p in g["params"])
-        self._pipeline = OffloadPipeline(device, chunk_numel=chunk_numel, slots=staging_slots)
+        if cpu_threads is None and device.type == "cuda":
+            # Leave a core to the training loop's own thread: starved, it launches GPU work late.
+            cpu_threads = max(1, torch.get_num_threads() - 1)
+        self._pipeline = OffloadPipeline(device, chunk_numel=chunk_numel, slots=staging_slots, threads=cpu_threads)
         # Forward order: parameters outside blocks (gathered first, with the root) go first, then
         # the optimizer's own order, which is the model's.
         self._priority: Dict[int, int] = {}
@@ -243,6 +249,18 @@ class AdamOffloadOptimizer(_AdamBase):
 
     def _state_device(self, param: torch.Tensor) -> torch.device:
         return torch.device("cpu")
+
+    def _new_state(self, p: torch.Tensor) -> Dict[str, Any]:
+        state: Dict[str, Any] = {"step": 0, "exp_avg": host_zeros(p.numel()).view(p.shape),
+                                 "exp_avg_sq": host_zeros(p.numel()).view(p.shape)}
+        if p.dtype != torch.float32 or p.device.type != "cpu":
+            state["master"] = host_zeros(p.numel()).view(p.shape).copy_(p.detach())
+        return state
+
+    def _place(self, param: torch.Tensor, name: str, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        return host_zeros(param.numel()).view(param.shape).copy_(value.detach().reshape(param.shape))
 
     def state_dict(self) -> Dict[str, Any]:
         self.wait()

@@ -30,6 +30,8 @@ parameter in place and sets the gate.
 from __future__ import annotations
 
 import collections
+import ctypes
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional
@@ -39,12 +41,40 @@ from torch.autograd.graph import increment_version
 
 from .. import ops
 
-__all__ = ["OffloadPipeline", "OffloadTask"]
+__all__ = ["OffloadPipeline", "OffloadTask", "advise_huge_pages", "host_zeros"]
 
 # Chunks of 16 Mi elements: 32 MiB of bf16 gradient, a few milliseconds of CPU Adam; large enough
 # that per-chunk overheads vanish, small enough that the first chunk of a step starts early.
 DEFAULT_CHUNK_NUMEL = 16 * 1024 * 1024
 DEFAULT_SLOTS = 4
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # linux/mman.h
+
+
+def host_zeros(numel: int) -> torch.Tensor:
+    """An fp32 CPU tensor of zeros, backed by transparent huge pages where the kernel allows.
+
+    The Adam update streams through gigabytes of state; on 4 KiB pages the hardware prefetcher
+    stops at every page boundary and the TLB misses often. The advice is given before the first
+    touch, so the pages are huge from the start (where THP is "madvise" or "always").
+    """
+    tensor = torch.empty(numel, dtype=torch.float32)
+    advise_huge_pages(tensor)
+    return tensor.zero_()
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> None:
+    """Ask Linux to back ``tensor``'s whole 2 MiB pages with huge pages (effective before first touch)."""
+    if not sys.platform.startswith("linux") or tensor.nbytes < 2 * _HUGE_PAGE:
+        return
+    start = -(-tensor.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+    end = (tensor.data_ptr() + tensor.nbytes) // _HUGE_PAGE * _HUGE_PAGE
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
+    except (OSError, AttributeError):
+        pass  # advice only: without it the memory works the same, a little slower
 
 
 @dataclass(eq=False)
@@ -85,13 +115,17 @@ class OffloadPipeline:
         device: the parameters' device (``cpu`` or a CUDA device).
         chunk_numel: elements per chunk.
         slots: staging slots (GPU only), at least 2.
+        threads: CPU threads of the Adam kernel (None: ``torch.get_num_threads()``).
     """
 
     def __init__(self, device: torch.device, *, chunk_numel: int = DEFAULT_CHUNK_NUMEL,
-                 slots: int = DEFAULT_SLOTS) -> None:
+                 slots: int = DEFAULT_SLOTS, threads: Optional[int] = None) -> None:
         if chunk_numel < 1 or slots < 2:
             raise ValueError(f"need chunk_numel >= 1 and slots >= 2, got {chunk_numel} and {slots}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1 or None, got {threads}")
         self.device = device
+        self.threads = threads
         self.chunk_numel = chunk_numel
         self.num_slots = slots
         self._slots: Dict[tuple, List[_Slot]] = {}  # (grad dtype, param dtype) -> ring
@@ -205,7 +239,7 @@ class OffloadPipeline:
             task = chunk.task
             grad = task.grad.reshape(-1)[chunk.start : chunk.end]
             out = None if task.param.dtype == torch.float32 else task.param.view(-1)[chunk.start : chunk.end]
-            _adam(task, chunk, grad, out)
+            _adam(task, chunk, grad, out, self.threads)
             inflight.popleft()
             task.chunks_left -= 1
             if task.chunks_left == 0:
@@ -231,7 +265,7 @@ class OffloadPipeline:
             task = chunk.task
             fetched.synchronize()
             n = chunk.end - chunk.start
-            _adam(task, chunk, slot.grad[:n], slot.out[:n])
+            _adam(task, chunk, slot.grad[:n], slot.out[:n], self.threads)
             with torch.cuda.stream(self._h2d):
                 task.param.view(-1)[chunk.start : chunk.end].copy_(slot.out[:n], non_blocking=True)
                 slot.copied_back = torch.cuda.Event()
@@ -265,8 +299,10 @@ class OffloadPipeline:
         return fetched
 
 
-def _adam(task: OffloadTask, chunk: _Chunk, grad: torch.Tensor, out: Optional[torch.Tensor]) -> None:
+def _adam(task: OffloadTask, chunk: _Chunk, grad: torch.Tensor, out: Optional[torch.Tensor],
+          threads: Optional[int]) -> None:
     state = task.state
     master = state.get("master", task.param).view(-1)[chunk.start : chunk.end]
     ops.adam_step_cpu(master, grad, state["exp_avg"].view(-1)[chunk.start : chunk.end],
-                      state["exp_avg_sq"].view(-1)[chunk.start : chunk.end], out=out, **task.hyper)
+                      state["exp_avg_sq"].view(-1)[chunk.start : chunk.end], out=out, num_threads=threads,
+                      **task.hyper)
