@@ -1,0 +1,66 @@
+"""Files that appear whole or not at all.
+
+[Note: atomic writes]
+Every checkpoint file is written under a hidden temporary name in the same directory, flushed to
+disk, and then renamed over its final name (``os.replace`` is atomic within one file system).
+A crash, a kill or a full disk at any point leaves either the previous file or the new one, never
+a torn mix; the temporary file of a failed write is removed when the failure is seen, and one
+left by a killed process is ignored by loaders (hidden name, never referenced by an index).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Union
+
+__all__ = ["atomic_file", "fsync_dir", "temporary_name"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def temporary_name(path: Path) -> Path:
+    """A hidden sibling of ``path`` that no other writer picks."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename inside ``directory`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_file(path: PathLike) -> Iterator[Path]:
+    """Yield a temporary path to write; on success it replaces ``path`` atomically.
+
+    If the body raises (including ``KeyboardInterrupt`` and ``OSError`` for a full disk), the
+    temporary file is removed and ``path`` keeps its previous content.
+
+    Example::
+
+        with atomic_file("model.pt") as tmp:
+            torch.save(state, tmp)
+    """
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_name(final)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(final.parent)
