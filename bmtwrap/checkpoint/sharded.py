@@ -1,0 +1,930 @@
+"""Sharded checkpoints: every rank writes its own pieces, any world size reads them back.
+
+[Note: sharded checkpoint format]
+A checkpoint is a folder::
+
+    folder/
+      index.json                                  the commit point, written last, by rank 0
+      shard-<tag>-r00000-000.safetensors          rank 0's pieces, its RNG state, every replicated tensor
+      shard-<tag>-r00001-000.safetensors          rank 1's pieces and RNG state
+      ...                                         (a rank's pieces may span several numbered files)
+
+``<tag>`` is 16 hex digits drawn afresh by every save, so a save never writes a file that an
+existing index refers to. Every tensor is stored flattened to 1-D under its name:
+``model/<state dict key>``, ``optim/<i>/<parameter name>/<state key>``, ``rng/<rank>/torch_cpu``
+and ``rng/<rank>/torch_cuda``. A sharded tensor (a sharded parameter, or optimizer state shaped like
+its local shard) is spread over the files of the ranks that owned a piece of it, each file
+holding the slice [start, end) of the flattened full tensor; a replicated tensor (buffers,
+parameters that are not sharded, their optimizer state) is stored whole, once, by rank 0.
+
+``index.json`` holds:
+
+- ``format``, ``version``: ``"bmtwrap.sharded"``, 1.
+- ``tag``, ``world_size``: of the save.
+- ``files``: {file name: {"rank", "bytes"}}; the size detects a truncated file before it is read.
+- ``tensors``: {tensor name: {"dtype", "shape" (the full shape), "pieces": [[file, start, end], ...]}}.
+- ``model``: {state dict key: tensor name}; tied parameters are several keys naming one tensor.
+- ``optimizers``: one entry per optimizer: {"type", "param_groups": [hyper-parameters with
+  "params" as parameter names], "state": {parameter name: {state key: {"tensor": name} or
+  {"value": scalar}}}}. Parameter names are the model's state dict keys, so the state follows the
+  parameter to whatever piece of it a rank owns at load time.
+- ``lr_schedulers``: each scheduler's ``state_dict()``; ``optim_manager``: an OptimManager's
+  state without its optimizers (loss scale ...), or null.
+- ``rng``: per saving rank: Python ``random`` and NumPy states, and the names of its torch states.
+- ``step``, ``extra``: the caller's.
+
+Values that JSON cannot hold as they are (tuples, 0-dim tensors such as torch Adam's ``step``,
+dtypes, dicts with non-string keys) are written as tagged objects and come back with their type.
+
+Invariants: the pieces of one tensor are disjoint; every file a piece names is listed in
+``files``; no file is modified once an index names it.
+
+Resharding follows from the coordinates: a piece's [start, end) indexes the flattened full
+tensor, not a flat buffer, so padding, alignment and the saving world size do not matter. A
+loading rank takes the range its ``LocalPiece`` gives it now and reads, from each saved piece
+overlapping it, just the overlap (``safe_open(...).get_slice(name)[a:b]`` reads only those bytes).
+
+[Note: commit protocol]
+1. Rank 0 draws the tag. Every rank writes its files (each through ``atomic_file``: hidden
+   temporary name, fsync, rename).
+2. Every rank reports to rank 0 (a gather: it completes only when every file is in place) what it
+   wrote, or the error it hit.
+3. Rank 0 writes ``index.json`` atomically: this rename is the commit. Then it deletes the files
+   the previous index named and any stray file of an interrupted save (unreferenced shard files,
+   hidden temporaries), and tells every rank the outcome.
+A save killed before step 3 leaves the previous index naming the previous, complete files; one
+killed during the deletions leaves the new index naming the new, complete files. Loading reads
+only the files the index names and ignores everything else in the folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import uuid
+import warnings
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from ..dist import DistContext
+from ..optim import OptimManager
+from ..schedule import engine
+from ..wrap.convert import restore_buffers
+from .io import PathLike, atomic_file
+
+__all__ = ["CheckpointInfo", "load_checkpoint", "save_checkpoint"]
+
+FORMAT = "bmtwrap.sharded"
+VERSION = 1
+INDEX = "index.json"
+_SHARD_FILE = re.compile(r"^shard-[0-9a-f]{16}-r\d{5,}-\d{3,}\.safetensors$")
+_TEMPORARY = re.compile(r"^\.(shard-.*\.safetensors|index\.json)\.tmp-")
+_INDEX_FIELDS = ("tag", "world_size", "files", "tensors", "model", "optimizers", "lr_schedulers", "optim_manager",
+                 "rng", "step", "extra")
+_TAG = "__bmtwrap__"  # marks a tagged JSON value (see [Note: sharded checkpoint format])
+
+OptimizerArg = Union[OptimManager, torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None]
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What :func:`load_checkpoint` found besides the tensors.
+
+    Attributes:
+        step: the ``step`` given to :func:`save_checkpoint` (``None`` if none was).
+        extra: the ``extra`` given to :func:`save_checkpoint`, as saved.
+        world_size: the world size the checkpoint was saved at.
+        tag: the save's identifier (part of its file names).
+    """
+
+    step: Optional[int]
+    extra: Any
+    world_size: int
+    tag: str
+
+
+# --- what the arguments mean ---------------------------------------------------------------------
+
+
+def _as_optimizers(optimizer: OptimizerArg) -> Tuple[List[torch.optim.Optimizer], Optional[OptimManager]]:
+    if optimizer is None:
+        return [], None
+    if isinstance(optimizer, OptimManager):
+        return list(optimizer.optimizers), optimizer
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer], None
+    if isinstance(optimizer, (list, tuple)) and all(isinstance(o, torch.optim.Optimizer) for o in optimizer):
+        return list(optimizer), None
+    raise TypeError(f"optimizer must be an OptimManager, a torch.optim.Optimizer, a list of them or None, "
+                    f"got {type(optimizer).__name__}")
+
+
+def _as_schedulers(lr_scheduler: Any) -> List[Any]:
+    if lr_scheduler is None:
+        return []
+    schedulers = list(lr_scheduler) if isinstance(lr_scheduler, (list, tuple)) else [lr_scheduler]
+    for scheduler in schedulers:
+        if not (hasattr(scheduler, "state_dict") and hasattr(scheduler, "load_state_dict")):
+            raise TypeError(f"lr_scheduler must have state_dict() and load_state_dict() (a bmtwrap.lr_scheduler or "
+                            f"torch.optim.lr_scheduler class), got {type(scheduler).__name__}")
+    return schedulers
+
+
+class _Target(NamedTuple):
+    """One state dict entry of the model as this rank holds it."""
+
+    tensor: torch.Tensor  # the parameter (a 1-D piece when sharded) or buffer
+    shape: Tuple[int, ...]  # the full shape
+    start: int  # the flat range [start, end) of the full tensor this rank holds
+    end: int
+    sharded: bool
+
+
+def _target_of(value: torch.Tensor) -> _Target:
+    eng = engine()
+    if isinstance(value, nn.Parameter) and eng.registry.is_sharded(value):
+        buffer, index = eng.registry.buffer_of(eng.ctx, value)
+        slot = buffer.slots[index]
+        return _Target(value, tuple(slot.shape), slot.piece.param_start, slot.piece.param_end, True)
+    return _Target(value, tuple(value.shape), 0, value.numel(), False)
+
+
+def _model_targets(model: nn.Module) -> Dict[str, _Target]:
+    """Every state dict key with its value and the flat range this rank holds of it."""
+    return {key: _target_of(value) for key, value in model.state_dict(keep_vars=True).items()}
+
+
+def _param_names(model: nn.Module, targets: Dict[str, _Target]) -> Tuple[Dict[int, str], Dict[str, _Target]]:
+    """id(parameter) → its name, and name → target, for every parameter an optimizer may hold.
+
+    A parameter's name is the first state dict key holding it (a Block adds no ``_module.``);
+    a parameter that the state dict hides is named as ``named_parameters()`` names it.
+    """
+    names: Dict[int, str] = {}
+    by_name = dict(targets)
+    for key, target in targets.items():
+        if isinstance(target.tensor, nn.Parameter):
+            names.setdefault(id(target.tensor), key)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) not in names:
+            names[id(param)] = ".".join(part for part in name.split(".") if part != "_module")
+            by_name.setdefault(names[id(param)], _target_of(param))
+    return names, by_name
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer, names: Dict[int, str], i: int) -> List[List[str]]:
+    """The names of each parameter group's parameters (in the order ``state_dict()`` numbers them)."""
+    groups: List[List[str]] = []
+    for g, group in enumerate(optimizer.param_groups):
+        unknown = [tuple(p.shape) for p in group["params"] if id(p) not in names]
+        if unknown:
+            raise ValueError(f"optimizer {i} ({type(optimizer).__name__}), group {g}: {len(unknown)} parameters "
+                             f"(shapes {unknown[:5]}) are not parameters of the model; a sharded checkpoint "
+                             "stores optimizer state by parameter name, so build the optimizer from "
+                             "model.parameters()")
+        groups.append([names[id(p)] for p in group["params"]])
+    return groups
+
+
+# --- JSON with types ---------------------------------------------------------------------------
+
+
+def _encode(value: Any, where: str) -> Any:
+    """``value`` as JSON, tagging what JSON would lose (see [Note: sharded checkpoint format])."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, list):
+        return [_encode(v, where) for v in value]
+    if isinstance(value, tuple):
+        return {_TAG: "tuple", "items": [_encode(v, where) for v in value]}
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value) and _TAG not in value:
+            return {k: _encode(v, f"{where}.{k}") for k, v in value.items()}
+        return {_TAG: "dict", "items": [[_encode(k, where), _encode(v, f"{where}[{k!r}]")] for k, v in value.items()]}
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return {_TAG: "tensor", "value": value.item(), "dtype": str(value.dtype).removeprefix("torch.")}
+    if isinstance(value, torch.dtype):
+        return {_TAG: "dtype", "name": str(value).removeprefix("torch.")}
+    raise TypeError(f"{where} is a {type(value).__name__}, which a sharded checkpoint cannot store: it holds "
+                    "tensors, numbers, strings, booleans, None, dtypes and lists/tuples/dicts of them")
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    kind = value.get(_TAG)
+    if kind is None:
+        return {k: _decode(v) for k, v in value.items()}
+    if kind == "tuple":
+        return tuple(_decode(v) for v in value["items"])
+    if kind == "dict":
+        return {_decode(k): _decode(v) for k, v in value["items"]}
+    if kind == "tensor":
+        return torch.tensor(value["value"], dtype=getattr(torch, value["dtype"]))
+    if kind == "dtype":
+        return getattr(torch, value["name"])
+    raise ValueError(f"the checkpoint index holds a value tagged {kind!r}, which this bmtwrap does not know "
+                     "(written by a newer version?)")
+
+
+# --- agreeing across ranks ---------------------------------------------------------------------
+
+_ERRORS = {cls.__name__: cls for cls in (ValueError, TypeError, FileNotFoundError, NotImplementedError, OSError,
+                                         RuntimeError, KeyError)}
+
+
+def _describe(error: Optional[BaseException]) -> Optional[Tuple[str, str]]:
+    return None if error is None else (type(error).__name__, str(error))
+
+
+def _agree(ctx: DistContext, own: Optional[BaseException]) -> None:
+    """A collective: if any rank hit an error, every rank raises (so no rank changes anything alone).
+
+    A rank raises its own error; the others rebuild the first failing rank's.
+    """
+    reports: List[Optional[Tuple[str, str]]] = [None] * ctx.world_size
+    dist.all_gather_object(reports, _describe(own), group=ctx.group)
+    _raise(own, _first_failure(reports))
+
+
+def _raise(own: Optional[BaseException], failure: Optional[Tuple[str, str]]) -> None:
+    if own is not None:
+        raise own
+    if failure is not None:
+        raise _ERRORS.get(failure[0], RuntimeError)(failure[1])
+
+
+def _broadcast(ctx: DistContext, value: Any) -> Any:
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=ctx.group)
+    return box[0]
+
+
+# --- saving ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class _RankPart:
+    """What one rank saves: its tensors, and what it tells rank 0 for the index."""
+
+    entries: List[Tuple[str, torch.Tensor, int]] = field(default_factory=list)  # (name, 1-D value, start)
+    tensors: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # name → dtype and full shape
+    optim_state: List[Dict[str, Dict[str, Any]]] = field(default_factory=list)  # per optimizer: name → state
+    rng: Dict[str, Any] = field(default_factory=dict)
+    pieces: Dict[str, List[Any]] = field(default_factory=dict)  # name → [file, start, end], after writing
+    files: Dict[str, Dict[str, int]] = field(default_factory=dict)
+
+    def add(self, name: str, value: torch.Tensor, start: int, shape: Tuple[int, ...], describe: bool = True) -> None:
+        """Queue the slice of ``name`` starting at ``start`` (``value``, any shape) for writing."""
+        if describe:
+            self.tensors[name] = {"dtype": str(value.dtype).removeprefix("torch."), "shape": list(shape)}
+        if value.numel():
+            self.entries.append((name, value.detach().reshape(-1), start))
+
+    def for_index(self) -> Dict[str, Any]:
+        return {"tensors": self.tensors, "optim_state": self.optim_state, "rng": self.rng, "pieces": self.pieces,
+                "files": self.files}
+
+
+def _collect_rng(part: _RankPart, ctx: DistContext) -> None:
+    """This rank's RNG states (taken first, before anything could draw from them)."""
+    names: Dict[str, Optional[str]] = {"torch_cpu": f"rng/{ctx.rank}/torch_cpu", "torch_cuda": None}
+    cpu = torch.get_rng_state()
+    part.add(names["torch_cpu"], cpu, 0, (cpu.numel(),))
+    if ctx.device.type == "cuda":
+        names["torch_cuda"] = f"rng/{ctx.rank}/torch_cuda"
+        cuda = torch.cuda.get_rng_state(ctx.device)
+        part.add(names["torch_cuda"], cuda, 0, (cuda.numel(),))
+    part.rng = {"python": _encode(random.getstate(), "random state"), "numpy": _numpy_state(), **names}
+
+
+def _numpy_state() -> Optional[List[Any]]:
+    try:
+        import numpy
+    except ImportError:
+        return None
+    kind, keys, pos, has_gauss, gauss = numpy.random.get_state()
+    return [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
+
+
+def _collect_model(part: _RankPart, targets: Dict[str, _Target], rank: int) -> Dict[str, str]:
+    """Queue this rank's pieces of the model; return {state dict key: tensor name} (tied keys share one).
+
+    Every rank adds its pieces of sharded tensors; rank 0 also the replicated ones, and describes
+    every tensor (it knows every full shape, like any rank).
+    """
+    by_id: Dict[int, str] = {}
+    keys: Dict[str, str] = {}
+    for key, target in targets.items():
+        name = keys[key] = by_id.setdefault(id(target.tensor), f"model/{key}")
+        if name != f"model/{key}":
+            continue  # a tied parameter, stored under its first key
+        if target.sharded:
+            part.add(name, target.tensor, target.start, target.shape, describe=rank == 0)
+        elif rank == 0:
+            part.add(name, target.tensor, 0, target.shape)
+    return keys
+
+
+def _reports_state(target: _Target, rank: int) -> bool:
+    """Whether this rank reports a parameter's optimizer state: where it owns a non-empty piece.
+
+    Replicated parameters and parameters of no elements: rank 0. So the scalars in the index
+    come from a rank whose state was really stepped (an empty piece's may not be).
+    """
+    if not target.sharded or math.prod(target.shape) == 0:
+        return rank == 0
+    return target.end > target.start
+
+
+def _collect_optimizer(part: _RankPart, i: int, state_dict: Dict[str, Any], optimizer: torch.optim.Optimizer,
+                       groups: List[List[str]], targets: Dict[str, _Target], rank: int) -> None:
+    """Queue this rank's optimizer state: tensors shaped like the local shard are pieces, 0-dim ones scalars."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    names = [name for group in groups for name in group]
+    positions = [pos for group in state_dict["param_groups"] for pos in group["params"]]
+    mine: Dict[str, Dict[str, Any]] = {}
+    for param, name, pos in zip(params, names, positions):
+        entry = state_dict["state"].get(pos)
+        target = targets[name]
+        if not entry or not _reports_state(target, rank):
+            continue
+        mine[name] = {}
+        for key, value in entry.items():
+            where = f"optimizer {i} ({type(optimizer).__name__}) state '{key}' of '{name}'"
+            if not (isinstance(value, torch.Tensor) and value.dim() > 0):
+                mine[name][key] = {"value": _encode(value, where)}
+                continue
+            tensor = f"optim/{i}/{name}/{key}"
+            mine[name][key] = {"tensor": tensor}
+            if not target.sharded:
+                part.add(tensor, value, 0, tuple(value.shape))
+            elif value.numel() == param.numel():
+                part.add(tensor, value, target.start, target.shape)
+            else:
+                raise NotImplementedError(
+                    f"{where} has shape {tuple(value.shape)}, neither a scalar nor the shape of the parameter's "
+                    f"local shard {tuple(param.shape)}: a sharded checkpoint cannot reshard it")
+    part.optim_state.append(mine)
+
+
+def _write_files(folder: Path, tag: str, rank: int, part: _RankPart, max_file_bytes: int) -> List[Path]:
+    """Write this rank's entries into as few files of at most ``max_file_bytes`` as possible."""
+    chunks: List[List[Tuple[str, torch.Tensor, int]]] = [[]]
+    size = 0
+    for entry in part.entries:
+        nbytes = entry[1].numel() * entry[1].element_size()
+        if chunks[-1] and size + nbytes > max_file_bytes:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(entry)
+        size += nbytes
+    written: List[Path] = []
+    for k, chunk in enumerate(chunks):
+        path = folder / f"shard-{tag}-r{rank:05d}-{k:03d}.safetensors"
+        # On a GPU only this chunk is copied to the host at a time; CPU tensors are written in place.
+        tensors = {name: value.to("cpu") for name, value, _ in chunk}
+        with atomic_file(path) as tmp:
+            save_file(tensors, str(tmp), metadata={"format": FORMAT, "tag": tag, "rank": str(rank)})
+        written.append(path)
+        part.files[path.name] = {"rank": rank, "bytes": path.stat().st_size}
+        for name, value, start in chunk:
+            part.pieces[name] = [path.name, start, start + value.numel()]
+    return written
+
+
+def _build_index(tag: str, world_size: int, parts: List[Dict[str, Any]], head: Dict[str, Any]) -> Dict[str, Any]:
+    """Merge every rank's report into the index (rank 0)."""
+    tensors: Dict[str, Dict[str, Any]] = {}
+    files: Dict[str, Dict[str, int]] = {}
+    for part in parts:
+        for name, meta in part["tensors"].items():
+            tensors.setdefault(name, {**meta, "pieces": []})
+        files.update(part["files"])
+    for part in parts:
+        for name, piece in part["pieces"].items():
+            tensors[name]["pieces"].append(piece)
+    for i, optimizer in enumerate(head["optimizers"]):
+        for part in parts:  # the first rank that reported a parameter's state gives its scalars
+            for name, entry in part["optim_state"][i].items():
+                optimizer["state"].setdefault(name, entry)
+    return {"format": FORMAT, "version": VERSION, "tag": tag, "world_size": world_size, "files": files,
+            "tensors": tensors, **head, "rng": [part["rng"] for part in parts]}
+
+
+def _remove_unreferenced(folder: Path, keep: Set[str]) -> None:
+    """After a commit: delete the previous save's files and strays of interrupted ones (rank 0).
+
+    The new checkpoint is already complete, so a file that cannot be deleted is only warned about.
+    """
+    for entry in os.scandir(folder):
+        if entry.name in keep or not (_SHARD_FILE.match(entry.name) or _TEMPORARY.match(entry.name)):
+            continue
+        try:
+            os.unlink(entry.path)
+        except FileNotFoundError:
+            pass
+        except OSError as caught:
+            warnings.warn(f"could not delete {entry.path}, a file no checkpoint index names: {caught}", stacklevel=3)
+
+
+def _first_failure(reports: Sequence[Optional[Tuple[str, str]]]) -> Optional[Tuple[str, str]]:
+    for rank, report in enumerate(reports):
+        if report is not None:
+            return report[0], f"{report[1]} (on rank {rank})"
+    return None
+
+
+def _save_head(model_keys: Dict[str, str], optimizers: List[torch.optim.Optimizer], states: List[Dict[str, Any]],
+               groups: List[List[List[str]]], schedulers: List[Any], manager_state: Optional[Dict[str, Any]],
+               step: Optional[int], extra: Any) -> Dict[str, Any]:
+    """The index entries that rank 0 alone knows (or that every rank knows alike); ``extra`` is encoded."""
+    described = []
+    for i, (optimizer, state, names) in enumerate(zip(optimizers, states, groups)):
+        param_groups = []
+        for g, (group, group_names) in enumerate(zip(state["param_groups"], names)):
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            param_groups.append({**_encode(hyper, f"optimizer {i} group {g}"), "params": group_names})
+        described.append({"type": type(optimizer).__name__, "param_groups": param_groups, "state": {}})
+    return {"model": model_keys, "optimizers": described,
+            "lr_schedulers": [_encode(s.state_dict(), f"lr_scheduler {i}") for i, s in enumerate(schedulers)],
+            "optim_manager": None if manager_state is None else _encode(manager_state, "OptimManager state"),
+            "step": step, "extra": extra}
+
+
+@torch.no_grad()
+def save_checkpoint(folder: PathLike, model: nn.Module, optimizer: OptimizerArg = None, lr_scheduler: Any = None,
+                    *, step: Optional[int] = None, extra: Any = None, max_file_bytes: int = 2**31) -> None:
+    """Save the model, optimizers, schedulers, loss scale and RNG states as a sharded checkpoint.
+
+    A collective: every rank calls it with the same arguments. Each rank writes its own pieces of
+    every sharded parameter and of the optimizer state shaped like them; rank 0 also writes the
+    replicated tensors and, last, ``index.json`` (see [Note: sharded checkpoint format]).
+    :func:`load_checkpoint` reads it back at any world size. The folder may hold an earlier
+    checkpoint: it stays loadable until the new one is complete and is then removed (see
+    [Note: commit protocol]); a save that is killed leaves the earlier checkpoint in place.
+    The folder must be one every rank can reach (a shared file system across nodes).
+
+    Args:
+        folder: the checkpoint folder (created if missing).
+        model: the sharded model (``bmtwrap.wrap``, or made of bmtwrap blocks); any module works.
+        optimizer: an :class:`~bmtwrap.optim.OptimManager` (its optimizers, its schedulers and its
+            loss-scale state are saved), a ``torch.optim.Optimizer``, a list of them, or ``None``.
+            Every optimized parameter must belong to ``model``: state is stored by parameter name.
+        lr_scheduler: a scheduler (bmtwrap's or torch's), a list of them, or ``None``.
+        step: the training step, returned by :func:`load_checkpoint`.
+        extra: anything JSON can hold (numbers, strings, lists, dicts; tuples come back as tuples).
+        max_file_bytes: a rank starts another file past this many bytes (on a GPU, at most this
+            much is staged in host memory at once).
+
+    Raises:
+        TypeError: an argument of the wrong kind; ``extra`` or scheduler state JSON cannot hold.
+        ValueError: an optimizer holds parameters that are not the model's.
+        NotImplementedError: optimizer state that is neither a scalar nor shaped like the
+            parameter's shard (it could not be resharded).
+        OSError: the folder cannot be written. On any error no index is written: the folder's
+            earlier checkpoint is untouched, and every rank raises.
+
+    Example::
+
+        bmtwrap.checkpoint.sharded.save_checkpoint("ckpt", model, manager, step=step, extra={"epoch": epoch})
+    """
+    ctx = engine().ctx
+    folder = Path(folder)
+    optimizers, manager = _as_optimizers(optimizer)
+    schedulers = _as_schedulers(lr_scheduler)
+    if step is not None and not isinstance(step, int):
+        raise TypeError(f"step must be an int or None, got {type(step).__name__}")
+    if max_file_bytes <= 0:
+        raise ValueError(f"max_file_bytes must be > 0, got {max_file_bytes}")
+    extra = _encode(extra, "extra")  # before anything is written, on every rank alike
+    tag = _broadcast(ctx, uuid.uuid4().hex[:16] if ctx.rank == 0 else None)
+    part, head, written, error = _RankPart(), None, [], None
+    try:
+        head = _collect(part, ctx, model, optimizers, manager, schedulers, step, extra)
+        folder.mkdir(parents=True, exist_ok=True)
+        written = _write_files(folder, tag, ctx.rank, part, max_file_bytes)
+    except Exception as caught:  # every rank must still reach the gather below
+        error = caught
+    # The gather completes on rank 0 only once every rank's files are in place: the barrier
+    # before the commit.
+    reports: Optional[List[Any]] = [None] * ctx.world_size if ctx.rank == 0 else None
+    dist.gather_object((_describe(error), None if error else part.for_index()), reports, dst=0, group=ctx.group)
+    failure = None
+    if ctx.rank == 0:
+        failure = _first_failure([report[0] for report in reports])
+        if failure is None:
+            try:
+                _commit(folder, _build_index(tag, ctx.world_size, [report[1] for report in reports], head))
+            except Exception as caught:
+                error, failure = caught, _describe(caught)
+    failure = _broadcast(ctx, failure)
+    if failure is not None:
+        for path in written:  # no index names them
+            path.unlink(missing_ok=True)
+        _raise(error, failure)
+
+
+def _collect(part: _RankPart, ctx: DistContext, model: nn.Module, optimizers: List[torch.optim.Optimizer],
+             manager: Optional[OptimManager], schedulers: List[Any], step: Optional[int],
+             extra: Any) -> Optional[Dict[str, Any]]:
+    """Queue everything this rank writes; return (rank 0) the index entries only it writes."""
+    _collect_rng(part, ctx)  # first: nothing below may have drawn from an RNG yet
+    manager_state = manager.state_dict() if manager is not None else None
+    states = manager_state.pop("optimizers") if manager_state is not None else [o.state_dict() for o in optimizers]
+    targets = _model_targets(model)
+    _settle(optimizers, targets, ctx)
+    names, param_targets = _param_names(model, targets)
+    groups = [_optimizer_params(o, names, i) for i, o in enumerate(optimizers)]
+    model_keys = _collect_model(part, targets, ctx.rank)
+    for i, (opt, state, group_names) in enumerate(zip(optimizers, states, groups)):
+        _collect_optimizer(part, i, state, opt, group_names, param_targets, ctx.rank)
+    if ctx.rank != 0:
+        return None
+    return _save_head(model_keys, optimizers, states, groups, schedulers, manager_state, step, extra)
+
+
+def _commit(folder: Path, index: Dict[str, Any]) -> None:
+    """Write the index (the commit), then remove what no index names any more (rank 0)."""
+    text = json.dumps(index, indent=1)
+    with atomic_file(folder / INDEX) as tmp:
+        tmp.write_text(text)
+    _remove_unreferenced(folder, set(index["files"]) | {INDEX})
+
+
+# --- loading --------------------------------------------------------------------------------------
+
+
+def _read_index(folder: Path) -> Dict[str, Any]:
+    path = folder / INDEX
+    if not path.is_file():
+        raise FileNotFoundError(f"no sharded checkpoint in {folder}: {path} does not exist (a save that did not "
+                                "finish writes none); pass the folder given to save_checkpoint")
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, ValueError) as caught:
+        raise ValueError(f"{path} cannot be read as JSON ({caught}): the index is damaged") from caught
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise ValueError(f"{path} is not the index of a bmtwrap sharded checkpoint (format "
+                         f"{index.get('format') if isinstance(index, dict) else None!r}, expected {FORMAT!r})")
+    if index.get("version") != VERSION:
+        raise ValueError(f"{path} has format version {index.get('version')!r}; this bmtwrap reads version "
+                         f"{VERSION}: load it with the bmtwrap version that wrote it")
+    absent = [key for key in _INDEX_FIELDS if key not in index]
+    if absent:
+        raise ValueError(f"{path} lacks the fields {absent}: the index is damaged")
+    return _decode(index)  # every tagged value at once: a bad one is found before anything changes
+
+
+class _ShardReader:
+    """Reads flat slices of a checkpoint's tensors; :meth:`require` checks them before anything changes."""
+
+    def __init__(self, folder: Path, index: Dict[str, Any], stack: ExitStack) -> None:
+        self._folder = folder
+        self._index = index
+        self._stack = stack
+        self._open: Dict[str, Any] = {}
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        if name not in self._index["tensors"]:
+            raise ValueError(f"the checkpoint index names tensor '{name}' but does not describe it: the index "
+                             "is damaged")
+        return tuple(self._index["tensors"][name]["shape"])
+
+    def _overlaps(self, name: str, start: int, end: int) -> List[Tuple[str, int, int, int, int]]:
+        """(file, piece start, piece end, from, to) of every saved piece overlapping [start, end)."""
+        found = []
+        for file, lo, hi in self._index["tensors"][name]["pieces"]:
+            if lo < end and start < hi:
+                found.append((file, lo, hi, max(lo, start), min(hi, end)))
+        return sorted(found, key=lambda piece: piece[3])
+
+    def require(self, name: str, start: int, end: int) -> None:
+        """Check that the checkpoint covers [start, end) of ``name`` with whole files; open them."""
+        self.shape(name)  # described at all
+        cursor = start
+        for file, lo, hi, a, b in self._overlaps(name, start, end):
+            if a > cursor:
+                break
+            cursor = max(cursor, b)
+            _, stored = self._file(file)
+            if stored.get(name) != hi - lo:
+                raise ValueError(f"{self._folder / file} does not hold the {hi - lo} elements of '{name}' that the "
+                                 "index records: the file is corrupt or from another save; load an earlier checkpoint")
+        if cursor < end:
+            raise ValueError(f"the checkpoint holds no values for elements [{cursor}, {end}) of '{name}' (the saved "
+                             "pieces do not cover them): it is incomplete")
+
+    def _file(self, file: str) -> Tuple[Any, Dict[str, int]]:
+        """The open file and the length of each tensor in it, after checking it is whole."""
+        if file in self._open:
+            return self._open[file]
+        path = self._folder / file
+        record = self._index["files"].get(file)
+        if record is None:
+            raise ValueError(f"the checkpoint index names {file} for a piece but does not list it: the index is "
+                             "damaged")
+        if not path.is_file():
+            raise FileNotFoundError(f"the checkpoint in {self._folder} is incomplete: {path} (rank {record['rank']}'s "
+                                    "shard file, named by its index) is missing; copy the whole folder, or load "
+                                    "an earlier checkpoint")
+        size = path.stat().st_size
+        if size != record["bytes"]:
+            raise ValueError(f"{path} is {size} bytes but the index records {record['bytes']}: the file is truncated "
+                             "or was replaced (an interrupted copy?); copy it again, or load an earlier checkpoint")
+        try:
+            handle = self._stack.enter_context(safe_open(str(path), framework="pt"))
+            tag = (handle.metadata() or {}).get("tag")
+            stored = {key: math.prod(handle.get_slice(key).get_shape()) for key in handle.keys()}
+        except Exception as caught:
+            raise ValueError(f"{path} is corrupt: it is not a readable safetensors file ({caught}); copy it again, "
+                             "or load an earlier checkpoint") from caught
+        if tag != self._index["tag"]:
+            raise ValueError(f"{path} belongs to another save (tag {tag!r}, the index's is {self._index['tag']!r}); "
+                             "the folder mixes checkpoints: copy the whole folder again")
+        self._open[file] = (handle, stored)
+        return self._open[file]
+
+    def read(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of the flattened ``name``, reading only those bytes of each file."""
+        dtype = getattr(torch, self._index["tensors"][name]["dtype"])
+        out = torch.empty(end - start, dtype=dtype)
+        for file, lo, _, a, b in self._overlaps(name, start, end):
+            out[a - start : b - start] = self._open[file][0].get_slice(name)[a - lo : b - lo]
+        return out
+
+
+def _check_model(index: Dict[str, Any], reader: _ShardReader, targets: Dict[str, _Target], strict: bool) -> None:
+    """Keys and shapes, every mismatch listed by name; then the pieces this rank will read."""
+    saved: Dict[str, str] = index["model"]
+    missing = [k for k in targets if k not in saved]
+    unexpected = [k for k in saved if k not in targets]
+    shapes = [f"{k}: checkpoint {reader.shape(saved[k])}, model {t.shape}" for k, t in targets.items()
+              if k in saved and reader.shape(saved[k]) != t.shape]
+    problems = []
+    if strict and missing:
+        problems.append(f"missing keys ({len(missing)}): {_listing(missing)}")
+    if strict and unexpected:
+        problems.append(f"unexpected keys ({len(unexpected)}): {_listing(unexpected)}")
+    if shapes:
+        problems.append(f"shape mismatches ({len(shapes)}): {_listing(shapes, '; ')}")
+    if problems:
+        hint = "\n  (strict=False loads the keys both have)" if not shapes else ""
+        raise ValueError("cannot load this checkpoint into the model (a checkpoint of another model?); nothing was "
+                         "changed:\n  " + "\n  ".join(problems) + hint)
+    for key, target in targets.items():
+        if key in saved:
+            reader.require(saved[key], target.start, target.end)
+
+
+def _listing(names: Sequence[str], separator: str = ", ") -> str:
+    return separator.join(names[:20]) + (" ..." if len(names) > 20 else "")
+
+
+class _OptimizerPlan(NamedTuple):
+    """How one optimizer's saved state maps onto its parameters here."""
+
+    saved: Dict[str, Any]  # its entry in the index
+    params: List[Tuple[torch.Tensor, str, _Target]]  # in state_dict() order
+    groups: List[List[int]]  # positions of each group's parameters
+
+
+def _plan_optimizers(index: Dict[str, Any], reader: _ShardReader, optimizers: List[torch.optim.Optimizer],
+                     manager: Optional[OptimManager], targets: Dict[str, _Target],
+                     names: Dict[int, str]) -> List[_OptimizerPlan]:
+    saved_all = index["optimizers"]
+    if optimizers and len(saved_all) != len(optimizers):
+        raise ValueError(f"the checkpoint holds {len(saved_all)} optimizer(s) but {len(optimizers)} were given; "
+                         "pass the same optimizers, in the same order, as to save_checkpoint")
+    if manager is not None and index["optim_manager"] is None:
+        raise ValueError("an OptimManager was given but the checkpoint was saved without one (no loss-scale "
+                         "state); pass its optimizers instead")
+    plans = []
+    for i, (optimizer, saved) in enumerate(zip(optimizers, saved_all)):
+        who = f"optimizer {i} ({type(optimizer).__name__})"
+        if saved["type"] != type(optimizer).__name__:
+            raise ValueError(f"{who}: the checkpoint holds the state of an optimizer of type "
+                             f"{saved['type']}; pass the kind of optimizer it was saved with")
+        groups = _optimizer_params(optimizer, names, i)
+        saved_groups = [g["params"] for g in saved["param_groups"]]
+        if len(groups) != len(saved_groups) or any(len(a) != len(b) for a, b in zip(groups, saved_groups)):
+            raise ValueError(f"{who} has {len(groups)} parameter group(s) of sizes {[len(g) for g in groups]}, the "
+                             f"checkpoint's {len(saved_groups)} of sizes {[len(g) for g in saved_groups]}; build "
+                             "the optimizer over the same parameters as when saving")
+        for g, (mine, theirs) in enumerate(zip(groups, saved_groups)):
+            if mine != theirs:
+                absent = [n for n in mine if n not in theirs]
+                extra = [n for n in theirs if n not in mine]
+                raise ValueError(f"{who}, group {g}: parameters differ from the checkpoint's: not in the checkpoint: "
+                                 f"{_listing(absent) or '-'}; only in the checkpoint: {_listing(extra) or '-'}"
+                                 f"{'; same names in another order' if not absent and not extra else ''}")
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        entries = [(p, names[id(p)], targets[names[id(p)]]) for p in params]
+        for param, name, target in entries:
+            for key, stored in saved["state"].get(name, {}).items():
+                if "tensor" in stored:
+                    where = f"{who} state '{key}' of '{name}'"
+                    reader.require(stored["tensor"], *_state_range(reader, stored["tensor"], param, target, where))
+        positions, cursor = [], 0
+        for group in groups:
+            positions.append(list(range(cursor, cursor + len(group))))
+            cursor += len(group)
+        plans.append(_OptimizerPlan(saved, entries, positions))
+    return plans
+
+
+def _state_range(reader: _ShardReader, tensor: str, param: torch.Tensor, target: _Target,
+                 where: str) -> Tuple[int, int]:
+    """The flat range of a saved state tensor that belongs to this rank's piece of ``param``."""
+    shape = reader.shape(tensor)
+    if target.sharded and target.tensor is param:
+        if shape != target.shape:
+            raise ValueError(f"{where} was saved with shape {shape}, but the parameter's is {target.shape}")
+        return target.start, target.end
+    return 0, int(torch.Size(shape).numel())
+
+
+def _optimizer_state_dict(plan: _OptimizerPlan, reader: _ShardReader) -> Dict[str, Any]:
+    """A normal ``state_dict()`` for this rank, with every state tensor resharded to its local piece."""
+    state: Dict[int, Dict[str, Any]] = {}
+    for position, (param, name, target) in enumerate(plan.params):
+        entry = plan.saved["state"].get(name)
+        if entry is None:
+            continue
+        state[position] = {}
+        for key, stored in entry.items():
+            if "tensor" not in stored:
+                state[position][key] = stored["value"]
+                continue
+            start, end = _state_range(reader, stored["tensor"], param, target, "")
+            value = reader.read(stored["tensor"], start, end)
+            sharded = target.sharded and target.tensor is param
+            state[position][key] = value.view(param.shape) if sharded else value.view(reader.shape(stored["tensor"]))
+    groups = [{**{k: v for k, v in saved.items() if k != "params"}, "params": positions}
+              for saved, positions in zip(plan.saved["param_groups"], plan.groups)]
+    return {"state": state, "param_groups": groups}
+
+
+def _plan_rng(index: Dict[str, Any], reader: _ShardReader, rank: int) -> None:
+    if rank < len(index["rng"]):
+        for key in ("torch_cpu", "torch_cuda"):
+            name = index["rng"][rank][key]
+            if name is not None:
+                reader.require(name, 0, reader.shape(name)[0])
+
+
+def _restore_rng(index: Dict[str, Any], reader: _ShardReader, ctx: DistContext) -> None:
+    """Rank r takes saving rank r's states; a rank the saving run did not have gets fresh seeds."""
+    if ctx.rank >= len(index["rng"]):
+        digest = hashlib.sha256(f"{index['tag']}:{ctx.rank}".encode()).digest()
+        seed = int.from_bytes(digest[:8], "little") >> 1
+        random.seed(seed)
+        torch.manual_seed(seed)  # every CUDA device too
+        _set_numpy(None, seed)
+        return
+    saved = index["rng"][ctx.rank]
+    random.setstate(saved["python"])
+    _set_numpy(saved["numpy"], None)
+    torch.set_rng_state(reader.read(saved["torch_cpu"], 0, reader.shape(saved["torch_cpu"])[0]))
+    if saved["torch_cuda"] is not None and ctx.device.type == "cuda":
+        torch.cuda.set_rng_state(reader.read(saved["torch_cuda"], 0, reader.shape(saved["torch_cuda"])[0]), ctx.device)
+
+
+def _set_numpy(state: Optional[List[Any]], seed: Optional[int]) -> None:
+    try:
+        import numpy
+    except ImportError:
+        return
+    if seed is not None:
+        numpy.random.seed(seed % 2**32)
+    elif state is not None:
+        kind, keys, pos, has_gauss, gauss = state
+        numpy.random.set_state((kind, numpy.array(keys, dtype=numpy.uint32), pos, has_gauss, gauss))
+
+
+def _settle(optimizers: List[torch.optim.Optimizer], targets: Dict[str, _Target], ctx: DistContext) -> None:
+    """Let in-place updates still in flight land before the shards are read or overwritten.
+
+    An offloading optimizer writes parameters back from a worker thread and copy streams; the
+    engine knows those writes per flat buffer.
+    """
+    for opt in optimizers:
+        wait = getattr(opt, "wait", None)
+        if callable(wait):
+            wait()
+    eng = engine()
+    for target in targets.values():
+        found = eng.registry.lookup(target.tensor) if target.sharded else None
+        if found is not None:
+            found[0].wait_writes()
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+
+
+@torch.no_grad()
+def _load_model(index: Dict[str, Any], reader: _ShardReader, model: nn.Module, targets: Dict[str, _Target]) -> None:
+    eng = engine()
+    loaded: Set[int] = set()
+    for key, target in targets.items():
+        name = index["model"].get(key)
+        if name is None or id(target.tensor) in loaded:
+            continue
+        value = reader.read(name, target.start, target.end)
+        target.tensor.copy_(value.view(target.tensor.shape))
+        loaded.add(id(target.tensor))
+    for target in targets.values():
+        found = eng.registry.lookup(target.tensor) if target.sharded else None
+        if found is not None and all(id(slot.param) in loaded for slot in found[0].slots):
+            found[0].initialized = True  # a meta-built model's shards now hold values
+    restore_buffers(model)
+
+
+def load_checkpoint(folder: PathLike, model: nn.Module, optimizer: OptimizerArg = None, lr_scheduler: Any = None,
+                    *, strict: bool = True) -> CheckpointInfo:
+    """Load a checkpoint written by :func:`save_checkpoint`, at this or any other world size.
+
+    A collective: every rank calls it with the same arguments. Each rank computes the flat range
+    of every parameter it owns now and reads exactly the overlapping byte ranges of the saved
+    files; optimizer state follows its parameter by name and reaches each optimizer through its
+    own ``load_state_dict``. Everything is checked first (the index, keys and shapes, the
+    optimizers, and that every file this rank needs is present and whole), on every rank; if any
+    rank finds a problem, every rank raises and nothing is changed. Files in the folder that the
+    index does not name (strays of an interrupted save) are ignored.
+
+    RNG states: rank r restores the Python ``random``, NumPy, torch CPU and (if both runs use
+    CUDA) CUDA states that rank r saved. At a larger world size, a rank ``r >= saved world size``
+    is seeded afresh with a seed derived from the checkpoint's tag and ``r``: deterministic for a
+    given checkpoint, different on every rank.
+
+    Args:
+        folder: the folder given to :func:`save_checkpoint`.
+        model: the model, sharded as for training (``bmtwrap.wrap`` or bmtwrap blocks; a model
+            built on the meta device and wrapped may be loaded without materialising it).
+        optimizer: as for :func:`save_checkpoint` (an OptimManager restores its optimizers,
+            schedulers and loss scale); ``None`` leaves optimizer state alone.
+        lr_scheduler: as for :func:`save_checkpoint`; ``None`` skips the saved schedulers.
+        strict: missing or unexpected model keys are errors; with ``False`` the keys both have
+            are loaded (shapes must still match).
+
+    Returns:
+        A :class:`CheckpointInfo` with the saved ``step`` and ``extra``.
+
+    Raises:
+        FileNotFoundError: no ``index.json`` in ``folder``; a shard file the index names is
+            missing (its path is given).
+        ValueError: a truncated, corrupt or foreign shard file (its path is given); missing or
+            unexpected keys or shape mismatches (listed by name); a different number or kind of
+            optimizers, parameter groups or parameters; a different number of schedulers.
+
+    Example::
+
+        info = bmtwrap.checkpoint.sharded.load_checkpoint("ckpt", model, manager)
+        start_step = info.step + 1
+    """
+    ctx = engine().ctx
+    folder = Path(folder)
+    optimizers, manager = _as_optimizers(optimizer)
+    schedulers = _as_schedulers(lr_scheduler)
+    with ExitStack() as stack:
+        error = None
+        try:
+            index = _read_index(folder)
+            reader = _ShardReader(folder, index, stack)
+            targets = _model_targets(model)
+            _check_model(index, reader, targets, strict)
+            names, param_targets = _param_names(model, targets)
+            plans = _plan_optimizers(index, reader, optimizers, manager, param_targets, names)
+            if schedulers and len(schedulers) != len(index["lr_schedulers"]):
+                raise ValueError(f"the checkpoint holds {len(index['lr_schedulers'])} lr scheduler(s) but "
+                                 f"{len(schedulers)} were given; pass the ones given to save_checkpoint")
+            _plan_rng(index, reader, ctx.rank)
+        except Exception as caught:  # every rank must reach the agreement below
+            error = caught
+        _agree(ctx, error)
+        _settle(optimizers, targets, ctx)
+        _load_model(index, reader, model, targets)
+        states = [_optimizer_state_dict(plan, reader) for plan in plans]
+        if manager is not None:
+            manager.load_state_dict({**index["optim_manager"], "optimizers": states})
+        else:
+            for opt, state in zip(optimizers, states):
+                opt.load_state_dict(state)
+        for scheduler, state in zip(schedulers, index["lr_schedulers"]):
+            scheduler.load_state_dict(state)
+        _restore_rng(index, reader, ctx)
+    return CheckpointInfo(step=index["step"], extra=index["extra"], world_size=index["world_size"],
+                          tag=index["tag"])
