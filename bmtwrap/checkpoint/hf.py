@@ -1,4 +1,7 @@
-"""Hugging Face checkpoint folders: stream one into a sharded model, write one out of it.
+"""Hugging Face checkpoint folders: stream one into a sharded model.
+
+Writing one out of a model is :func:`save_pretrained`, in ``hf_export`` and re-exported here; the
+key conversions both directions share are in ``hf_keys``.
 
 [Note: streaming an HF folder into shards]
 A folder holds ``model.safetensors``, or shard files listed by ``model.safetensors.index.json``.
@@ -12,61 +15,29 @@ touched, and they leave the process's memory when the view is dropped. (A file k
 keep every page read from it resident until it closes; safetensors' ``pread`` backend reads the
 whole tensor for a slice.) Peak memory per rank is its shards plus one parameter's rows (see the
 memory test in tests/dist_cases/checkpoint_hf.py). No rank ever holds the state dict.
-
-[Note: key conversion]
-Transformers 5 renames keys and fuses weights on load (``block_sparse_moe`` → ``mlp``, one file
-tensor per expert → one 3-D parameter, ``LayerNorm.gamma`` → ``weight``), and reverts that on
-save. We do not repeat those rules: ``transformers.conversion_mapping`` gives the model's
-``WeightRenaming``/``WeightConverter`` list and ``transformers.core_model_loading`` applies it to
-names (``rename_source_key``, ``apply_converters``, ``apply_renamings``; the base-model prefix is
-added or stripped there too). A plain rename is streamed by row ranges as above; a converted
-target (a fused tensor) reads its source tensors whole, runs the converter's own operations on
-them, and keeps this rank's slice, so its cost is bounded by one parameter. Shapes are checked
-beforehand by running the same converters on meta tensors. Saving reverses the conversions the
-way ``revert_weight_conversion`` does, group by group.
-
-[Note: atomic folder]
-``save_pretrained`` writes the whole folder under a hidden sibling (``.name.tmp-*``) and then
-swaps it in: the old folder is renamed to ``.name.old-*``, the new one renamed to ``name``, and
-the old one deleted. A reader therefore sees the complete old folder, the complete new one, or
-(in the instant between the two renames) no folder at all, never a half-written one. A crash in
-that instant leaves both complete folders under their hidden names, to be renamed back by hand.
-Other files of an existing folder (tokenizer, README) are carried over, as transformers' own
-``save_pretrained`` leaves them in place; stale weight shards are not.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
-import os
-import re
-import shutil
-import uuid
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple, Type, Union
+from typing import Any, Dict, List, Optional, Set, Tuple, Type
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .. import dist as _dist
-from ..group import FlatBuffer, ParamSlot, ShardState
-from ..schedule import engine
 from ..wrap.convert import materialize, restore_buffers, wrap
-from .io import atomic_file, fsync_dir, temporary_name
+from .hf_export import save_pretrained
+from .hf_keys import (INDEX_NAME, WEIGHTS_NAME, PathLike, _conversions, _Entry, _entries, _FullShapes, _Group,
+                      _hf_model, _split)
 
 __all__ = ["from_pretrained", "load_pretrained", "save_pretrained"]
 
-PathLike = Union[str, "os.PathLike[str]"]
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
-_SHARD_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
-_OURS = {WEIGHTS_NAME, INDEX_NAME, "config.json", "generation_config.json"}
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
@@ -91,60 +62,6 @@ class _Checkpoint:
     folder: Path
     tensors: Dict[str, _FileTensor]
     config: Dict[str, Any]
-
-
-class _Entry(NamedTuple):
-    """One state-dict entry of the model: a sharded parameter (``slot`` set) or a full tensor."""
-
-    value: torch.Tensor
-    shape: torch.Size  # the full shape
-    buffer: Optional[FlatBuffer]
-    slot: Optional[ParamSlot]
-
-
-@dataclass
-class _Group:
-    """Tensors that transformers converts together: N inputs → M outputs (1 → 1 for a plain rename).
-
-    On load the inputs are checkpoint keys and the outputs model keys; on save the reverse.
-    """
-
-    key: str  # the name transformers files the group under
-    converter: Any  # a WeightConverter template, or None for a plain (possibly renamed) copy
-    sources: List[Tuple[str, str, str]] = field(default_factory=list)  # (renamed, input key, pattern)
-
-    def run(self, fetch: Callable[[str], torch.Tensor], model: Any, config: Any,
-            rename: Callable[[str], str] = lambda name: name) -> Dict[str, torch.Tensor]:
-        """Apply the converter's own operations to the inputs ``fetch`` returns; ``rename`` its outputs."""
-        if self.converter is None:
-            return {self.key: fetch(self.sources[0][1])}
-        converter = copy.deepcopy(self.converter)  # collects tensors: one instance per group
-        for renamed, key, pattern in self.sources:
-            # A callable is read when the converter materialises its inputs, not before.
-            converter.add_tensor(renamed, key, pattern, functools.partial(fetch, key))
-        out = converter.convert(self.key, model=model, config=config)
-        return {rename(name): (value[0] if isinstance(value, list) else value) for name, value in out.items()}
-
-
-class _FullShapes:
-    """The model as conversion operations see it: parameters answered at their full shapes.
-
-    ``Split`` asks the model for its targets' shapes; a sharded parameter is a 1-D piece, so it is
-    answered with a meta tensor of the full shape instead. Everything else is the model's own.
-    """
-
-    def __init__(self, hf: nn.Module, entries: Dict[str, _Entry]) -> None:
-        self._hf = hf
-        self._entries = entries
-
-    def get_parameter(self, name: str) -> torch.Tensor:
-        entry = self._entries[name]
-        return torch.empty(entry.shape, dtype=entry.value.dtype, device="meta")
-
-    get_parameter_or_buffer = get_parameter
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._hf, name)
 
 
 # --- reading a folder --------------------------------------------------------------------------
@@ -235,57 +152,6 @@ def _read_checkpoint(folder: Path) -> _Checkpoint:
     config_path = folder / "config.json"
     config = json.loads(config_path.read_text()) if config_path.is_file() else {}
     return _Checkpoint(folder, tensors, config)
-
-
-# --- the model's side --------------------------------------------------------------------------
-
-
-def _hf_model(model: nn.Module, verb: str) -> nn.Module:
-    from transformers import PreTrainedModel
-
-    if not isinstance(model, PreTrainedModel):
-        raise TypeError(
-            f"{verb} expects a Hugging Face transformers model (a PreTrainedModel, wrapped by bmtwrap or not), got "
-            f"{type(model).__name__}; save and load other models with bmtwrap's own checkpoint functions")
-    return model
-
-
-def _entries(model: nn.Module) -> Dict[str, _Entry]:
-    """Every state-dict entry with its full shape and, for a sharded parameter, its buffer slot."""
-    registry = engine().registry if _dist.is_initialized() else None
-    out: Dict[str, _Entry] = {}
-    for key, value in model.state_dict(keep_vars=True).items():
-        if registry is not None and isinstance(value, nn.Parameter) and registry.is_sharded(value):
-            buffer, index = registry.buffer_of(engine().ctx, value)
-            slot = buffer.slots[index]
-            out[key] = _Entry(value, slot.shape, buffer, slot)
-        else:
-            out[key] = _Entry(value, value.shape, None, None)
-    return out
-
-
-def _conversions(hf: nn.Module, *, for_save: bool) -> List[Any]:
-    """The model's weight transforms, as transformers' from_pretrained / save_pretrained pick them."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import PrefixChange
-
-    if not for_save:
-        return get_model_conversion_mapping(hf)
-    used = getattr(hf, "_weight_conversions", None)  # what loading this model applied, if it was loaded
-    if used is not None:
-        return list(used)
-    # Built from scratch: the model's own mapping, without legacy renames or prefix changes (as
-    # transformers' revert_weight_conversion does).
-    return [c for c in get_model_conversion_mapping(hf, add_legacy=False) if not isinstance(c, PrefixChange)]
-
-
-def _split(transforms: List[Any]) -> Tuple[List[Any], List[Any], Dict[str, Any]]:
-    from transformers.core_model_loading import WeightConverter, WeightRenaming
-
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    return renamings, converters, {p: c for c in converters for p in c.source_patterns}
-
 
 # --- loading -----------------------------------------------------------------------------------
 
@@ -551,270 +417,3 @@ def from_pretrained(path: PathLike, *, model_class: Optional[Type[nn.Module]] = 
     if (folder / "generation_config.json").is_file() and model.can_generate():
         model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
     return model.eval()
-
-
-# --- saving ------------------------------------------------------------------------------------
-
-
-class _Step(NamedTuple):
-    """One collection step of a save: a flat buffer gathered (or a full tensor taken) and the groups it completes."""
-
-    buffer: Optional[FlatBuffer]
-    keys: List[str]
-    groups: List[_Group]
-
-
-def _saved_keys(hf: nn.Module, entries: Dict[str, _Entry]) -> List[str]:
-    """One key per tensor: of tied names, the one transformers keeps (not a tie target)."""
-    tie_targets = set(getattr(hf, "all_tied_weights_keys", None) or {})
-    ignored = set(getattr(hf, "_keys_to_ignore_on_save", None) or ())
-    names: Dict[int, List[str]] = {}
-    for key, entry in entries.items():
-        if key not in ignored:
-            names.setdefault(id(entry.value), []).append(key)
-    keep = {([k for k in keys if k not in tie_targets] or keys)[0] for keys in names.values()}
-    return [k for k in entries if k in keep]
-
-
-class _SavePlan(NamedTuple):
-    steps: List[_Step]
-    outputs: Dict[str, torch.Tensor]  # every tensor to write (meta, full shape), in the order produced
-    rename: Callable[[str], str]  # applied to a converter's outputs
-
-
-def _plan_save(hf: nn.Module, entries: Dict[str, _Entry], keys: List[str]) -> _SavePlan:
-    """Group the model keys by reverse conversion, order them by gather, and dry-run them on meta."""
-    from transformers.core_model_loading import apply_converters, apply_renamings, dot_natural_key
-
-    reverse = [t.reverse_transform() for t in _conversions(hf, for_save=True)[::-1]]
-    renamings, converters, by_pattern = _split(reverse)
-    groups: Dict[str, _Group] = {}
-    for key in sorted(keys, key=dot_natural_key):
-        renamed, pattern = apply_converters(key, converters)
-        if pattern is None:  # a converter's outputs are renamed after it runs (see _Group.run)
-            renamed = apply_renamings(key, renamings)
-        group = groups.setdefault(renamed, _Group(renamed, by_pattern[pattern] if pattern else None))
-        if pattern is None and group.sources:
-            raise ValueError(f"'{group.sources[0][1]}' and '{key}' would both be saved as '{renamed}'")
-        group.sources.append((renamed, key, pattern or key))
-
-    of_key = {src: group for group in groups.values() for _, src, _ in group.sources}
-    rename = functools.partial(apply_renamings, weight_renamings=renamings)
-    view = _FullShapes(hf, entries)
-    meta = lambda k: torch.empty(entries[k].shape, dtype=entries[k].value.dtype, device="meta")
-    steps: List[_Step] = []
-    available: Set[str] = set()
-    done: Set[int] = set()
-    outputs: Dict[str, torch.Tensor] = {}
-    for key in keys:
-        if key in available:
-            continue
-        buffer = entries[key].buffer
-        new = [k for k in keys if entries[k].buffer is buffer] if buffer is not None else [key]
-        available.update(new)
-        ready = []
-        for k in new:
-            group = of_key[k]
-            if id(group) not in done and all(src in available for _, src, _ in group.sources):
-                done.add(id(group))
-                ready.append(group)
-                for name, value in group.run(meta, view, hf.config, rename).items():
-                    outputs[name] = torch.empty(value.shape, dtype=value.dtype, device="meta")
-        steps.append(_Step(buffer, new, ready))
-    return _SavePlan(steps, outputs, rename)
-
-
-def _collect(step: _Step, entries: Dict[str, _Entry], keep: bool) -> Dict[str, torch.Tensor]:
-    """Full CPU copies of a step's tensors (on the writing rank); a collective for a sharded buffer."""
-    buffer = step.buffer
-    if buffer is None:
-        return {k: entries[k].value.detach().to("cpu", copy=True) for k in step.keys} if keep else {}
-    was = buffer.state
-    buffer.ensure_gathered()
-    try:
-        out = {}
-        if keep:
-            for k in step.keys:
-                slot = entries[k].slot
-                out[k] = buffer.full[slot.offset : slot.offset + slot.numel].view(slot.shape).to("cpu", copy=True)
-        return out
-    finally:
-        if was is ShardState.SHARDED:
-            buffer.release()
-
-
-class _ShardWriter:
-    """Writes each shard file into ``folder`` as soon as all its tensors have been produced."""
-
-    def __init__(self, folder: Path, split: Any) -> None:
-        self.folder = folder
-        self.split = split
-        self._pending: Dict[str, Dict[str, torch.Tensor]] = {f: {} for f in split.filename_to_tensors}
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        filename = self.split.tensor_to_filename[name]
-        pending = self._pending[filename]
-        pending[name] = tensor.contiguous()
-        if len(pending) == len(self.split.filename_to_tensors[filename]):
-            _write_shard(self.folder / filename, self._pending.pop(filename))
-
-
-def _write_shard(path: Path, tensors: Dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save_file
-
-    with atomic_file(path) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
-
-
-def _write_configs(hf: nn.Module, folder: Path) -> None:
-    # As transformers' save_pretrained: record the dtype and the class, and let the config
-    # objects write (and validate) themselves; the folder swap makes them atomic.
-    hf.config.dtype = str(hf.dtype).split(".")[1]
-    hf.config.architectures = [type(hf).__name__]
-    hf.config.save_pretrained(folder)
-    if hf.can_generate() and getattr(hf, "generation_config", None) is not None:
-        hf.generation_config.save_pretrained(folder)
-    for name in ("config.json", "generation_config.json"):
-        if (folder / name).exists():
-            _fsync(folder / name)
-
-
-def _carry_over(old: Path, new: Path) -> None:
-    """Files of an existing folder that this save does not replace (tokenizer, README, ...)."""
-    if not old.is_dir():
-        return
-    for item in old.iterdir():
-        leftover = item.name.startswith(".") and ".tmp-" in item.name  # a killed writer's temporary file
-        if item.name in _OURS or _SHARD_FILE.fullmatch(item.name) or leftover or (new / item.name).exists():
-            continue
-        if item.is_dir():
-            shutil.copytree(item, new / item.name)
-        else:
-            shutil.copy2(item, new / item.name)
-            _fsync(new / item.name)
-
-
-def _swap_in(tmp: Path, final: Path) -> None:
-    """Replace ``final`` with the finished folder ``tmp`` (see [Note: atomic folder])."""
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        os.replace(final, old)
-        try:
-            os.replace(tmp, final)
-        except BaseException:
-            os.replace(old, final)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    fsync_dir(final.parent)
-
-
-def save_pretrained(model: nn.Module, folder: PathLike, *, max_shard_size: Union[int, str] = "5GB") -> None:
-    """Write a Hugging Face folder that plain ``transformers`` loads, from a (wrapped) model.
-
-    A collective: every rank calls it; rank 0 writes. Flat buffers are gathered one at a time
-    (about one block), converted back to the checkpoint layout transformers expects in files
-    (per-expert MoE tensors, legacy names the model was loaded from), and each shard file is
-    written as soon as its tensors are complete, so rank 0 holds at most one shard file and one
-    buffer. Tied weights are written once, under the name transformers keeps. The folder is
-    written beside ``folder`` and swapped in (see [Note: atomic folder]): an existing folder is
-    never left half-written, and its other files (tokenizer, README) are kept.
-
-    Args:
-        model: a transformers ``PreTrainedModel``, wrapped by :func:`bmtwrap.wrap` or not.
-        folder: the output folder, on rank 0's file system.
-        max_shard_size: largest shard file, in bytes or as ``"5GB"``/``"500MB"``; a larger model
-            is split into ``model-0000k-of-0000n.safetensors`` plus ``model.safetensors.index.json``.
-
-    Raises:
-        TypeError: ``model`` is not a transformers model.
-        OSError and others: writing failed on rank 0 (re-raised there; the other ranks raise
-            ``RuntimeError``); ``folder`` keeps its previous content.
-
-    Example::
-
-        bmtwrap.checkpoint.hf.save_pretrained(model, "out/step-1000")
-        # later, anywhere, without bmtwrap:
-        model = AutoModelForCausalLM.from_pretrained("out/step-1000")
-    """
-    from huggingface_hub import split_torch_state_dict_into_shards
-
-    hf = _hf_model(model, "save_pretrained")
-    final = Path(folder)
-    if final.exists() and not final.is_dir():
-        raise ValueError(f"save_pretrained writes a folder, but {final} is a file")
-    ctx = _dist.current() if _dist.is_initialized() else None
-    entries = _entries(model)
-    keys = _saved_keys(hf, entries)
-    plan = _plan_save(hf, entries, keys)
-    split = split_torch_state_dict_into_shards(plan.outputs, filename_pattern="model{suffix}.safetensors",
-                                               max_shard_size=max_shard_size)
-    total_parameters = sum(entries[k].shape.numel() for k in keys if isinstance(entries[k].value, nn.Parameter))
-    tmp = temporary_name(final)
-    # Rank 0 keeps joining the gathers after a failed write (the other ranks cannot know), and
-    # every rank learns of the failure at the end.
-    error = _export(hf, entries, plan, _ShardWriter(tmp, split) if ctx is None or ctx.rank == 0 else None)
-    if (ctx is None or ctx.rank == 0) and error is None:
-        try:
-            _finish_folder(hf, tmp, final, split, total_parameters)
-        except Exception as exc:
-            error = exc
-    if error is not None:
-        shutil.rmtree(tmp, ignore_errors=True)
-    if ctx is not None and ctx.world_size > 1:
-        failed = torch.tensor([int(error is not None)], device=ctx.device)
-        dist.broadcast(failed, src=0, group=ctx.group)
-        if failed.item() and error is None:
-            raise RuntimeError(f"rank 0 failed to write {final}; its error says why. The folder was left as it was")
-    if error is not None:
-        raise error
-
-
-def _export(hf: nn.Module, entries: Dict[str, _Entry], plan: _SavePlan,
-            writer: Optional["_ShardWriter"]) -> Optional[Exception]:
-    """Gather buffer by buffer (every rank), convert and write (the rank with a ``writer``).
-
-    Returns the writer's first error instead of raising it, after joining every gather.
-    """
-    error: Optional[Exception] = None
-    if writer is not None:
-        try:
-            writer.folder.mkdir(parents=True)
-        except Exception as exc:
-            error = exc
-    held: Dict[str, torch.Tensor] = {}  # gathered inputs of groups not yet complete
-    view = _FullShapes(hf, entries)
-    for step in plan.steps:
-        keep = writer is not None and error is None
-        held.update(_collect(step, entries, keep=keep))
-        if not keep:
-            continue
-        try:
-            for group in step.groups:
-                out = group.run(held.__getitem__, view, hf.config, plan.rename)
-                for _, source, _ in group.sources:
-                    held.pop(source, None)
-                for name, value in out.items():
-                    writer.add(name, value)
-        except Exception as exc:
-            error = exc
-    return error
-
-
-def _finish_folder(hf: nn.Module, tmp: Path, final: Path, split: Any, total_parameters: int) -> None:
-    """Index, configs and carried-over files into ``tmp``; then swap it in for ``final``."""
-    if split.is_sharded:
-        index = {"metadata": {"total_parameters": total_parameters, **split.metadata},
-                 "weight_map": dict(sorted(split.tensor_to_filename.items()))}
-        with atomic_file(tmp / INDEX_NAME) as path:
-            path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    _write_configs(hf, tmp)
-    _carry_over(final, tmp)
-    fsync_dir(tmp)
-    _swap_in(tmp, final)

@@ -23,7 +23,7 @@ import transformers as T
 from safetensors.torch import load_file, save_file
 
 import bmtwrap as bmt
-from bmtwrap.checkpoint import hf
+from bmtwrap.checkpoint import hf, hf_export
 from bmtwrap.dist import current
 from bmtwrap.schedule import engine
 from common import run
@@ -328,7 +328,7 @@ def failed_save_leaves_folder() -> Dict[str, Any]:
     folder = ROOT / "llama_untied"
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
     model = hf.from_pretrained(folder)
-    real, calls = hf._write_shard, []
+    real, calls = hf_export._write_shard, []
 
     def failing(path: Path, tensors: Dict[str, torch.Tensor]) -> None:
         calls.append(path.name)
@@ -336,11 +336,11 @@ def failed_save_leaves_folder() -> Dict[str, Any]:
             raise OSError(28, "No space left on device (simulated)")
         real(path, tensors)
 
-    hf._write_shard = failing
+    hf_export._write_shard = failing
     try:
         message = _error_text(lambda: hf.save_pretrained(model, folder, max_shard_size="30KB"))
     finally:
-        hf._write_shard = real
+        hf_export._write_shard = real
     after = {p.name: p.read_bytes() for p in folder.iterdir()}
     return {"message": message, "unchanged": _all(after == before), "every_rank_raised": _all(message != "no error"),
             "siblings": sorted(p.name for p in ROOT.iterdir() if p.name.startswith("."))}
