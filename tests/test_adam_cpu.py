@@ -439,3 +439,23 @@ def test_shared_memory_raises() -> None:
 def test_cuda_tensor_raises() -> None:
     with pytest.raises(ValueError, match=r"grad is on cuda:0; adam_step_cpu updates CPU tensors only"):
         call(grad=torch.zeros(8, device="cuda"))
+
+
+def test_num_threads_argument() -> None:
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=1)
+    grad = make_grads(10_000, 1, torch.float32)[0]
+    a, b = make_state(10_000), make_state(10_000)
+    ops.adam_step_cpu(a.param, grad, a.exp_avg, a.exp_avg_sq, **hyper)
+    ops.adam_step_cpu(b.param, grad, b.exp_avg, b.exp_avg_sq, num_threads=1, **hyper)
+    assert torch.equal(a.param, b.param) and torch.equal(a.exp_avg_sq, b.exp_avg_sq)
+    with pytest.raises(ValueError, match="num_threads must be a positive int or None, got 0"):
+        ops.adam_step_cpu(b.param, grad, b.exp_avg, b.exp_avg_sq, num_threads=0, **hyper)
+
+
+def test_host_zeros_are_zero_and_writable() -> None:
+    from bmtwrap.optim.offload import host_zeros
+
+    tensor = host_zeros(3 << 20)  # past two huge pages: the advice path runs
+    assert tensor.dtype == torch.float32 and tensor.numel() == 3 << 20 and not tensor.any()
+    tensor.fill_(1.5)
+    assert tensor.sum().item() == 1.5 * (3 << 20)
