@@ -6,7 +6,7 @@ Public names only; see each one's docstring. A BMTrain program runs after ``impo
 from . import loss, lr_scheduler, optim
 from .block import Block, CheckpointBlock
 from .blocklist import TransformerBlockList
-from .checkpoint import load_state_dict
+from .checkpoint import load, load_state_dict, save
 from .dist import init_distributed, print_rank, rank, sum_loss, synchronize, world_size
 from .module import DistributedModule, full_grad_dict, full_state_dict, init_parameters
 from .param import DistributedParameter
@@ -27,6 +27,7 @@ __all__ = [
     "full_state_dict",
     "init_distributed",
     "init_parameters",
+    "load",
     "load_state_dict",
     "loss",
     "lr_scheduler",
@@ -35,6 +36,7 @@ __all__ = [
     "plan",
     "print_rank",
     "rank",
+    "save",
     "sum_loss",
     "synchronize",
     "world_size",

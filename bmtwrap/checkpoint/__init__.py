@@ -1,5 +1,5 @@
 """Saving and loading sharded models."""
 
-from .full import load_state_dict
+from .full import load, load_state_dict, save
 
-__all__ = ["load_state_dict"]
+__all__ = ["load", "load_state_dict", "save"]

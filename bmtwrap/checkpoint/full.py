@@ -1,33 +1,87 @@
-"""Full (consolidated) state: loading an unwrapped model's state dict into a sharded model."""
+"""Full (consolidated) checkpoints: one file with the unwrapped model's keys, any world size.
+
+[Note: saving one flat buffer at a time]
+:func:`save` never builds the full state dict. The state dict's entries are grouped by the flat
+buffer that holds them (a block's parameters, the root's, or a plain tensor on its own), in the
+order the state dict first names each buffer. Every rank gathers one buffer, rank 0 copies it
+to the host (one copy into a pinned staging buffer on a GPU) and writes the entries it holds,
+and the buffer is released before the next one is gathered. So device memory grows by at most
+one gathered buffer (one block, or the root with the embeddings), and rank 0's host memory by
+one staging buffer: the file itself is written as the buffers arrive, never held whole.
+A buffer that several keys name (tied weights: a root parameter listed at the top and the
+bottom of the state dict) is gathered once, which is why the file's data follow buffer order
+while its index follows state-dict order.
+
+[Note: streaming both formats]
+Both formats put an index before the data, and the index needs only shapes and dtypes, which
+every rank knows without gathering anything:
+
+- safetensors: 8-byte little-endian header length, a JSON header of ``{key: {dtype, shape,
+  data_offsets}}``, then the raw bytes. The header is written first with offsets in the order
+  the data will arrive; safetensors readers sort entries by offset, so the data need not follow
+  the keys' order. Tied tensors are written once per key: safetensors refuses shared storage.
+- torch.save: a zip archive whose ``data.pkl`` describes each tensor and whose ``data/<n>``
+  records hold the storages. ``torch.serialization.skip_data`` writes that archive for fake
+  tensors of the right shapes, reserving (not writing) each record's bytes; each buffer's
+  values are then written into their records as they arrive, and each record's CRC-32 is
+  patched in at the end so that the archive is a valid zip, not just one ``torch.load`` accepts.
+  Tied tensors share one record, as in ``torch.save(model.state_dict())``. ``skip_data`` is
+  marked a prototype in torch and fake tensors live in ``torch._subclasses``: if either changes,
+  :class:`_TorchWriter` is the one place to adapt (it checks the archive's layout it relies on,
+  and the tests read its files with plain ``torch.load`` and ``zipfile``).
+
+The alternative, collecting the state on rank 0 and calling ``torch.save`` once (BMTrain's way),
+needs the whole model in rank 0's host memory at once: 140 GB for a 70B model in bf16.
+
+[Note: failing together]
+``save`` and ``load`` are collectives, so a failure seen by one rank must not leave the others
+waiting in a collective. Rank 0 alone opens and writes the file; its I/O errors are held until
+a point where every rank agrees (a one-element all-reduce) whether anyone failed, and then
+every rank raises. Errors of the gathers themselves happen on every rank alike and propagate
+directly. ``load`` checks the file and every key and shape on every rank, agrees, and only
+then writes: on any error, no rank's model has changed.
+"""
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping
+import contextlib
+import ctypes
+import json
+import os
+import pickle
+import struct
+import zipfile
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Protocol, Sequence, Tuple, Union
 
+import safetensors
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from ..dist import DistContext
+from ..group import FlatBuffer, ParamSlot, ShardState
 from ..schedule import engine
 from ..wrap.convert import restore_buffers
+from .io import atomic_file
 
-__all__ = ["load_state_dict"]
+__all__ = ["load", "load_state_dict", "save"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+SAFETENSORS_SUFFIX = ".safetensors"
+_LIST_AT_MOST = 20  # names listed per problem in an error message
+
+# torch dtype ↔ the safetensors header's name for it.
+_SAFETENSORS_DTYPES: Dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
 
 
-def _check_keys(expected: Mapping[str, torch.Tensor], given: Mapping[str, torch.Tensor], strict: bool) -> None:
-    missing = [k for k in expected if k not in given]
-    unexpected = [k for k in given if k not in expected]
-    problems: List[str] = []
-    if strict and missing:
-        problems.append(f"missing keys ({len(missing)}): {', '.join(missing[:20])}{' …' if len(missing) > 20 else ''}")
-    if strict and unexpected:
-        problems.append(f"unexpected keys ({len(unexpected)}): {', '.join(unexpected[:20])}"
-                        f"{' …' if len(unexpected) > 20 else ''}")
-    shapes = [f"{k}: checkpoint {tuple(given[k].shape)}, model {tuple(_full_shape(v))}"
-              for k, v in expected.items() if k in given and tuple(given[k].shape) != tuple(_full_shape(v))]
-    if shapes:
-        problems.append(f"shape mismatches ({len(shapes)}): {'; '.join(shapes[:20])}")
-    if problems:
-        raise ValueError("cannot load this state dict into the model, nothing was changed:\n  " + "\n  ".join(problems))
+# --- checking keys and shapes ---------------------------------------------------------------------
 
 
 def _full_shape(value: torch.Tensor) -> torch.Size:
@@ -38,30 +92,586 @@ def _full_shape(value: torch.Tensor) -> torch.Size:
     return value.shape
 
 
+def _listed(names: Sequence[str]) -> str:
+    more = f" … ({len(names) - _LIST_AT_MOST} more)" if len(names) > _LIST_AT_MOST else ""
+    return ", ".join(names[:_LIST_AT_MOST]) + more
+
+
+def _check_keys(expected: Mapping[str, torch.Tensor], given: Mapping[str, Sequence[int]], strict: bool,
+                source: str = "this state dict") -> None:
+    """Raise one ValueError listing every missing, unexpected and mis-shaped key (``given``: key → shape).
+
+    A key whose tensor is tied to a key that is present is not missing: Hugging Face files leave
+    out ``lm_head.weight`` of a model whose head shares the embedding.
+    """
+    present = {id(v) for k, v in expected.items() if k in given}
+    missing = [k for k, v in expected.items() if k not in given and id(v) not in present]
+    unexpected = [k for k in given if k not in expected]
+    problems: List[str] = []
+    if strict and missing:
+        problems.append(f"missing keys ({len(missing)}): {_listed(missing)}")
+    if strict and unexpected:
+        problems.append(f"unexpected keys ({len(unexpected)}): {_listed(unexpected)}")
+    shapes = [f"{k}: checkpoint {tuple(given[k])}, model {tuple(_full_shape(v))}"
+              for k, v in expected.items() if k in given and tuple(given[k]) != tuple(_full_shape(v))]
+    if shapes:
+        problems.append(f"shape mismatches ({len(shapes)}): {'; '.join(shapes[:_LIST_AT_MOST])}")
+    if problems:
+        fixes = []
+        if strict and (missing or unexpected):
+            fixes.append("pass strict=False to load only the keys both have")
+        if shapes:
+            fixes.append("a shape mismatch means the checkpoint comes from a model of another configuration")
+        raise ValueError(f"cannot load {source} into the model, nothing was changed ({'; '.join(fixes)}):\n  "
+                         + "\n  ".join(problems))
+
+
+# --- reading: where the values come from ----------------------------------------------------------
+
+
+class _Source(Protocol):
+    """A checkpoint's tensors, read piece by piece."""
+
+    def shapes(self) -> Dict[str, Tuple[int, ...]]: ...
+
+    def read_range(self, key: str, start: int, end: int) -> torch.Tensor:
+        """Elements ``[start, end)`` of the flattened tensor ``key``, 1-D."""
+        ...
+
+    def read(self, key: str) -> torch.Tensor: ...
+
+
+class _TensorSource:
+    """A state dict in memory (or memory-mapped by ``torch.load(mmap=True)``)."""
+
+    def __init__(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        self._tensors = state_dict
+
+    def shapes(self) -> Dict[str, Tuple[int, ...]]:
+        return {k: tuple(v.shape) for k, v in self._tensors.items()}
+
+    def read_range(self, key: str, start: int, end: int) -> torch.Tensor:
+        return self._tensors[key].detach().reshape(-1)[start:end]
+
+    def read(self, key: str) -> torch.Tensor:
+        return self._tensors[key].detach()
+
+
+class _SafetensorsSource:
+    """A safetensors file: reads only the rows that cover the requested elements."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+
+    def shapes(self) -> Dict[str, Tuple[int, ...]]:
+        return {k: tuple(self._handle.get_slice(k).get_shape()) for k in self._handle.keys()}
+
+    def read_range(self, key: str, start: int, end: int) -> torch.Tensor:
+        part = self._handle.get_slice(key)
+        shape = part.get_shape()
+        row = 1
+        for size in shape[1:]:
+            row *= size
+        if not shape or row == 0:
+            return self._handle.get_tensor(key).reshape(-1)[start:end]
+        first, last = start // row, -(-end // row)  # rows [first, last) cover [start, end)
+        return part[first:last].reshape(-1)[start - first * row : end - first * row]
+
+    def read(self, key: str) -> torch.Tensor:
+        return self._handle.get_tensor(key)
+
+
+def _corrupt(path: Path, err: BaseException) -> ValueError:
+    error = ValueError(f"{path} is truncated or corrupt ({type(err).__name__}: {err}); "
+                       "save it again, or load an intact copy")
+    error.__cause__ = err
+    return error
+
+
+@contextlib.contextmanager
+def _open_source(path: Path) -> Iterator[_Source]:
+    """Open a checkpoint file for reading (its format chosen by its suffix).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: ``path`` is a folder, is truncated or corrupt, or holds something other than
+            a state dict of tensors.
+    """
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {path} does not exist; check the path (and that every rank can see it)")
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder; bmtwrap.load reads one file written by bmtwrap.save, torch.save or "
+                         "safetensors")
+    if path.suffix == SAFETENSORS_SUFFIX:
+        try:
+            handle = safetensors.safe_open(str(path), framework="pt", device="cpu")
+        except (safetensors.SafetensorError, ValueError, OSError) as err:
+            raise _corrupt(path, err) from err
+        with handle:
+            yield _SafetensorsSource(handle)
+        return
+    try:
+        # A file from torch.save(..., _use_new_zipfile_serialization=False) cannot be mapped; it
+        # is read whole. A truncated zip also lands there and fails to load below.
+        mapped = zipfile.is_zipfile(path)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
+    except pickle.UnpicklingError as err:
+        if "weights only load failed" in str(err).lower():
+            raise ValueError(f"{path} holds objects other than tensors (or its pickled index is damaged), and "
+                             "bmtwrap.load reads weights only; if you trust the file, torch.load(path, "
+                             "weights_only=False) it yourself and pass its state dict to bmtwrap.load_state_dict"
+                             ) from err
+        raise _corrupt(path, err) from err
+    except (PermissionError, IsADirectoryError):
+        raise
+    except Exception as err:  # torch.load reports damage as RuntimeError, EOFError, KeyError, ...
+        raise _corrupt(path, err) from err
+    if not isinstance(state, Mapping):
+        raise ValueError(f"{path} holds a {type(state).__name__}, not a state dict (a mapping of names to tensors)")
+    wrong = [f"'{k}' ({type(v).__name__})" for k, v in state.items() if not isinstance(v, torch.Tensor)]
+    if wrong:
+        raise ValueError(f"{path} is not a state dict of tensors: {_listed(wrong)}; if it is a training checkpoint, "
+                         "load it with torch.load and pass its model state dict to bmtwrap.load_state_dict")
+    yield _TensorSource(state)
+
+
+@torch.no_grad()
+def _copy_into(model_state: Mapping[str, torch.Tensor], source: _Source, keys: Sequence[str]) -> None:
+    """Copy this rank's part of every key in ``keys`` from ``source`` into the (sharded) model."""
+    eng = engine()
+    for key in keys:
+        target = model_state[key]
+        if isinstance(target, nn.Parameter) and eng.registry.is_sharded(target):
+            buffer, index = eng.registry.buffer_of(eng.ctx, target)
+            piece = buffer.slots[index].piece
+            if piece.numel:
+                value = source.read_range(key, piece.param_start, piece.param_end)
+                target.copy_(value.to(device=target.device, dtype=target.dtype))
+            buffer.initialized = True
+        else:
+            target.copy_(source.read(key).to(device=target.device, dtype=target.dtype))
+
+
+# --- agreeing across ranks ------------------------------------------------------------------------
+
+
+def _agree(ctx: DistContext, failure: Optional[BaseException], what: str) -> None:
+    """A collective: raise on every rank if any rank has a ``failure`` (see [Note: failing together])."""
+    anyone = failure is not None
+    if ctx.world_size > 1:
+        flag = torch.tensor([int(anyone)], dtype=torch.int32, device=ctx.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.group)
+        anyone = bool(flag.item())
+    if failure is not None:
+        raise failure
+    if anyone:
+        raise RuntimeError(f"{what} failed on another rank (rank 0 for writes); that rank's error says why")
+
+
+# --- public: load -------------------------------------------------------------------------------
+
+
 @torch.no_grad()
 def load_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
     """Copy a full state dict (the unwrapped model's keys and shapes) into a sharded model.
 
     Each rank copies only the pieces it owns; nothing is communicated. Every key is checked before
-    anything is written, so a mismatch leaves the model unchanged.
+    anything is written, so a mismatch leaves the model unchanged. A model built on the meta
+    device and wrapped is ready to run afterwards.
+
+    Args:
+        model: a model sharded by :func:`bmtwrap.wrap` or built from bmtwrap's blocks (a plain
+            module works too).
+        state_dict: full tensors under the unwrapped model's keys (``unwrapped.state_dict()``).
+        strict: whether missing and unexpected keys are errors; shapes are always checked.
 
     Raises:
         ValueError: missing or unexpected keys (when ``strict``), or shape mismatches, each listed
             by name.
+
+    Example::
+
+        bmt.load_state_dict(model, AutoModelForCausalLM.from_pretrained(path).state_dict())
     """
-    eng = engine()
     expected: Dict[str, torch.Tensor] = model.state_dict(keep_vars=True)
-    _check_keys(expected, state_dict, strict)
-    for key, target in expected.items():
-        if key not in state_dict:
-            continue
-        value = state_dict[key]
-        if isinstance(target, nn.Parameter) and eng.registry.is_sharded(target):
-            buffer, index = eng.registry.buffer_of(eng.ctx, target)
-            piece = buffer.slots[index].piece
-            flat = value.detach().reshape(-1)[piece.param_start : piece.param_end]
-            target.copy_(flat.to(device=target.device, dtype=target.dtype))
-            buffer.initialized = True
-        else:
-            target.copy_(value.to(device=target.device, dtype=target.dtype))
+    _check_keys(expected, {k: tuple(v.shape) for k, v in state_dict.items()}, strict)
+    _copy_into(expected, _TensorSource(state_dict), [k for k in expected if k in state_dict])
     restore_buffers(model)
+
+
+@torch.no_grad()
+def load(model: nn.Module, path: PathLike, *, strict: bool = True) -> None:
+    """Load a full checkpoint file into a sharded model, at any world size (BMTrain's ``bmt.load``).
+
+    Every rank reads only the part of each parameter it owns: ``.safetensors`` files through
+    ``safetensors.safe_open`` (only the rows that cover this rank's range), any other suffix
+    through ``torch.load(path, mmap=True, weights_only=True)``. The file may come from
+    :func:`save` at any world size, from ``torch.save(unwrapped.state_dict())``, or from
+    ``safetensors.torch.save_file``. Keys and shapes are checked on every rank before anything
+    is written; on any error no rank's model has changed. Works on a model built on the meta
+    device and then wrapped (its non-persistent buffers, such as rotary ``inv_freq``, are
+    recomputed). A collective: every rank calls it.
+
+    Args:
+        model: a model sharded by :func:`bmtwrap.wrap` or built from bmtwrap's blocks.
+        path: the file.
+        strict: whether missing and unexpected keys are errors; shapes are always checked.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ValueError: the file is truncated or corrupt, is not a state dict of tensors, or does not
+            fit the model (missing or unexpected keys when ``strict``, shape mismatches, each
+            listed by name).
+        RuntimeError: another rank failed to read the file.
+
+    Example::
+
+        bmt.load(model, "model.pt")
+    """
+    ctx = engine().ctx
+    path = Path(path)
+    expected: Dict[str, torch.Tensor] = model.state_dict(keep_vars=True)
+    with contextlib.ExitStack() as stack:
+        failure: Optional[BaseException] = None
+        source: Optional[_Source] = None
+        try:
+            source = stack.enter_context(_open_source(path))
+            shapes = source.shapes()
+            _check_keys(expected, shapes, strict, source=str(path))
+        except Exception as err:  # raised on every rank below, after the others know
+            failure = err
+        _agree(ctx, failure, f"loading {path}")
+        assert source is not None
+        _copy_into(expected, source, [k for k in expected if k in shapes])
+    restore_buffers(model)
+
+
+# --- saving: what to write, in which order --------------------------------------------------------
+
+
+class _Entry(NamedTuple):
+    """One state-dict key as it will be written."""
+
+    key: str
+    shape: torch.Size  # full shape
+    dtype: torch.dtype
+    ident: int  # id() of the tensor object: tied keys share it
+    slot: Optional[ParamSlot]  # where a sharded parameter lives in its buffer
+    value: Optional[torch.Tensor]  # the full tensor, when it is not sharded
+
+
+@dataclass(eq=False)
+class _Unit:
+    """What one gather brings: a flat buffer's entries, or one unsharded tensor (``buffer`` None)."""
+
+    buffer: Optional[FlatBuffer]
+    entries: List[_Entry] = field(default_factory=list)
+
+
+def _plan_save(model: nn.Module) -> Tuple[List[_Entry], List[_Unit]]:
+    """The entries in state-dict order, and the units in the order they are gathered and written."""
+    eng = engine()
+    entries: List[_Entry] = []
+    units: List[_Unit] = []
+    by_buffer: Dict[int, _Unit] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if not isinstance(value, torch.Tensor):
+            raise NotImplementedError(f"'{key}' holds a {type(value).__name__} (a module's extra state), and "
+                                      "bmtwrap.save writes tensors only; save that state separately")
+        if isinstance(value, nn.Parameter) and eng.registry.is_sharded(value):
+            buffer, index = eng.registry.buffer_of(eng.ctx, value)
+            slot = buffer.slots[index]
+            entry = _Entry(key, slot.shape, value.dtype, id(value), slot, None)
+            unit = by_buffer.get(id(buffer))
+            if unit is None:
+                unit = by_buffer[id(buffer)] = _Unit(buffer)
+                units.append(unit)
+        else:
+            entry = _Entry(key, value.shape, value.dtype, id(value), None, value.detach())
+            unit = _Unit(None)
+            units.append(unit)
+        unit.entries.append(entry)
+        entries.append(entry)
+    return entries, units
+
+
+def _host_values(units: Sequence[_Unit], ctx: DistContext,
+                 on_host: bool) -> Iterator[Tuple[_Entry, Optional[torch.Tensor]]]:
+    """Gather the units one at a time; yield each entry with its full value on the host (rank 0) or None.
+
+    A collective: every rank iterates to the end. A buffer is released after its last entry was
+    consumed, unless it was already gathered before (then it stays as it was).
+    """
+    staging: Optional[torch.Tensor] = None
+    if on_host and ctx.device.type == "cuda":
+        sizes = [u.buffer.full.element_size() * u.buffer.layout.padded_total for u in units if u.buffer is not None]
+        staging = torch.empty(max(sizes, default=0), dtype=torch.uint8, pin_memory=True)
+    for unit in units:
+        buffer = unit.buffer
+        if buffer is None:
+            (entry,) = unit.entries
+            yield entry, (entry.value.to("cpu") if on_host else None)
+            continue
+        was = buffer.state
+        buffer.ensure_gathered()
+        try:
+            flat = buffer.full
+            if on_host and staging is not None:
+                flat = staging[: flat.numel() * flat.element_size()].view(flat.dtype).copy_(flat)
+            for entry in unit.entries:
+                slot = entry.slot
+                yield entry, (flat[slot.offset : slot.offset + slot.numel].view(entry.shape) if on_host else None)
+        finally:
+            if was is ShardState.SHARDED:
+                buffer.release()
+
+
+def _write_raw(handle: IO[bytes], value: torch.Tensor, *, crc: bool = False) -> int:
+    """Write the bytes of a CPU tensor (no copy when it is contiguous); return their CRC-32 if ``crc``, else 0.
+
+    Not through ``Tensor.numpy()``: that marks the storage as not resizable for good, and the
+    engine frees gathered buffers by resizing their storage to zero.
+    """
+    flat = value.reshape(-1)  # holds the bytes alive while ``data`` points at them
+    nbytes = flat.numel() * flat.element_size()
+    if nbytes == 0:
+        return 0
+    data = memoryview((ctypes.c_char * nbytes).from_address(flat.data_ptr())).cast("B")
+    handle.write(data)
+    return zlib.crc32(data) if crc else 0
+
+
+# --- saving: the two formats --------------------------------------------------------------------
+
+
+class _Writer(Protocol):
+    def write(self, entry: _Entry, value: torch.Tensor) -> None: ...
+
+    def finish(self) -> None: ...
+
+
+class _SafetensorsWriter:
+    """Header first, then each tensor's bytes in the order they arrive (see [Note: streaming both formats])."""
+
+    def __init__(self, handle: IO[bytes], entries: Sequence[_Entry], order: Sequence[_Entry]) -> None:
+        self._handle = handle
+        self._order = list(order)
+        self._next = 0
+        offsets: Dict[str, Tuple[int, int]] = {}
+        cursor = 0
+        for entry in order:
+            nbytes = entry.shape.numel() * entry.dtype.itemsize
+            offsets[entry.key] = (cursor, cursor + nbytes)
+            cursor += nbytes
+        header: Dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        for entry in entries:
+            header[entry.key] = {"dtype": _safetensors_dtype(entry), "shape": list(entry.shape),
+                                 "data_offsets": list(offsets[entry.key])}
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data start 8-byte aligned, as safetensors writes them
+        handle.write(struct.pack("<Q", len(text)))
+        handle.write(text)
+
+    def write(self, entry: _Entry, value: torch.Tensor) -> None:
+        assert entry is self._order[self._next], f"{entry.key} arrived out of order"
+        _write_raw(self._handle, value)
+        self._next += 1
+
+    def finish(self) -> None:
+        assert self._next == len(self._order), f"{len(self._order) - self._next} tensors were not written"
+
+
+def _safetensors_dtype(entry: _Entry) -> str:
+    name = _SAFETENSORS_DTYPES.get(entry.dtype)
+    if name is None:
+        raise NotImplementedError(f"'{entry.key}' has dtype {entry.dtype}, which bmtwrap does not write to "
+                                  "safetensors; save to a .pt file instead")
+    return name
+
+
+class _ZipRecord(NamedTuple):
+    data_offset: int  # where the record's bytes start in the file
+    size: int
+    crc_offsets: Tuple[int, ...]  # where its CRC-32 is stored (data descriptor or local header; central directory)
+
+
+def _zip_records(path: Path) -> Dict[str, _ZipRecord]:
+    """Every record of a zip archive (stored, uncompressed), keyed by name."""
+    records: Dict[str, _ZipRecord] = {}
+    with zipfile.ZipFile(path) as archive, open(path, "rb") as raw:
+        central: Dict[str, int] = {}
+        raw.seek(archive.start_dir)
+        for _ in archive.infolist():
+            fixed = raw.read(46)
+            assert fixed[:4] == b"PK\x01\x02", "unexpected zip central directory"
+            name_len, extra_len, comment_len = struct.unpack("<HHH", fixed[28:34])
+            name = raw.read(name_len).decode()
+            central[name] = raw.tell() - name_len - 46 + 16
+            raw.seek(extra_len + comment_len, os.SEEK_CUR)
+        for info in archive.infolist():
+            assert info.compress_type == zipfile.ZIP_STORED, f"record {info.filename} is compressed"
+            raw.seek(info.header_offset)
+            local = raw.read(30)
+            name_len, extra_len = struct.unpack("<HH", local[26:30])
+            data = info.header_offset + 30 + name_len + extra_len
+            if info.flag_bits & 0x08:  # sizes and CRC follow the data, after an optional signature
+                raw.seek(data + info.file_size)
+                descriptor = data + info.file_size + (4 if raw.read(4) == b"PK\x07\x08" else 0)
+            else:
+                descriptor = info.header_offset + 14
+            records[info.filename] = _ZipRecord(data, info.file_size, (descriptor, central[info.filename]))
+    return records
+
+
+class _TorchWriter:
+    """torch.save's archive for fake tensors, then each storage's bytes put in place.
+
+    See [Note: streaming both formats].
+    """
+
+    def __init__(self, path: Path, entries: Sequence[_Entry]) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        skeleton: Dict[str, torch.Tensor] = {}
+        fakes: Dict[int, torch.Tensor] = {}
+        with FakeTensorMode():
+            for entry in entries:
+                if entry.ident not in fakes:
+                    fakes[entry.ident] = torch.empty(entry.shape, dtype=entry.dtype)
+                skeleton[entry.key] = fakes[entry.ident]
+        with open(path, "wb") as handle, torch.serialization.skip_data(materialize_fake_tensors=True):
+            torch.save(skeleton, handle)
+        # torch.save names storages data/0, data/1, ... in the order it first meets them while
+        # pickling the dict, i.e. in the order of ``fakes``; the sizes confirm it.
+        records = {name.split("/")[-1]: rec for name, rec in _zip_records(path).items()
+                   if name.split("/")[-2:-1] == ["data"]}
+        self._records: Dict[int, _ZipRecord] = {}
+        for index, (ident, fake) in enumerate(fakes.items()):
+            record = records.get(str(index))
+            nbytes = fake.numel() * fake.element_size()
+            assert record is not None and record.size == nbytes, f"torch.save laid out storage {index} unexpectedly"
+            self._records[ident] = record
+        assert len(records) == len(fakes), "torch.save wrote more storages than the state dict has"
+        self._crcs: Dict[int, int] = {}
+        self._handle = open(path, "r+b")
+
+    def write(self, entry: _Entry, value: torch.Tensor) -> None:
+        if entry.ident in self._crcs:
+            return  # a tied key: its storage is written already
+        self._handle.seek(self._records[entry.ident].data_offset)
+        self._crcs[entry.ident] = _write_raw(self._handle, value, crc=True)
+
+    def finish(self) -> None:
+        missing = set(self._records) - set(self._crcs)
+        assert not missing, f"{len(missing)} storages were not written"
+        for ident, record in self._records.items():
+            crc = struct.pack("<I", self._crcs[ident])
+            for offset in record.crc_offsets:
+                self._handle.seek(offset)
+                self._handle.write(crc)
+        self._handle.close()
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+@contextlib.contextmanager
+def _open_writer(path: Path, tmp: Path, entries: Sequence[_Entry], order: Sequence[_Entry]) -> Iterator[_Writer]:
+    if path.suffix == SAFETENSORS_SUFFIX:
+        with open(tmp, "wb") as handle:
+            yield _SafetensorsWriter(handle, entries, order)
+    else:
+        writer = _TorchWriter(tmp, entries)
+        try:
+            yield writer
+        finally:
+            writer.close()
+
+
+# --- public: save -------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def save(model: nn.Module, path: PathLike, *, non_blocking: bool = False) -> None:
+    """Write the model's full state to one file, as the unwrapped model's ``state_dict()`` (BMTrain's ``bmt.save``).
+
+    The file holds exactly the unwrapped model's keys: every parameter at its full shape and the
+    persistent buffers. ``.safetensors`` files are written in the safetensors format (tied
+    weights as separate tensors under each key); any other suffix in ``torch.save``'s format
+    (tied weights sharing one storage), readable by plain ``torch.load``. Any world size loads
+    it with :func:`load`.
+
+    Memory: one flat buffer (about one block) is gathered at a time, written, and released
+    before the next, so device memory grows by at most one block, and rank 0 streams the file
+    without ever holding the whole state in host memory (see [Note: saving one flat buffer at a
+    time]). Rank 0 writes the file under a temporary name and renames it when complete, so a
+    crash mid-save leaves the previous file intact.
+
+    A collective: every rank calls it; every rank raises if the save fails.
+
+    Args:
+        model: a model sharded by :func:`bmtwrap.wrap` or built from bmtwrap's blocks.
+        path: the file to write; its folder is created if needed.
+        non_blocking: accepted for BMTrain compatibility; the save is always synchronous.
+            BMTrain's asynchronous save keeps a full host copy of the model on rank 0 for a
+            writer thread, which is the memory this function avoids; here the file is complete
+            and on disk when ``save`` returns.
+
+    Raises:
+        RuntimeError: the file cannot be written (its folder is not writable, the disk is full),
+            on every rank; the previous file at ``path``, if any, is unchanged.
+        NotImplementedError: a dtype safetensors cannot hold (use ``.pt``); a state dict entry that
+            is not a tensor (a module's extra state).
+
+    Example::
+
+        bmt.save(model, "model.safetensors")   # or "model.pt"
+    """
+    del non_blocking  # see the docstring: always synchronous
+    ctx = engine().ctx
+    path = Path(path)
+    entries, units = _plan_save(model)
+    order = [entry for unit in units for entry in unit.entries]
+    if path.suffix == SAFETENSORS_SUFFIX:
+        for entry in entries:
+            _safetensors_dtype(entry)  # every rank raises, before anything is opened or gathered
+    rank0 = ctx.rank == 0
+    committing = False
+    commit_failure: Optional[BaseException] = None
+    try:
+        with contextlib.ExitStack() as stack:
+            failure: Optional[BaseException] = None
+            writer: Optional[_Writer] = None
+            if rank0:
+                try:
+                    tmp = stack.enter_context(atomic_file(path))
+                    writer = stack.enter_context(_open_writer(path, tmp, entries, order))
+                except Exception as err:  # held until every rank knows (see [Note: failing together])
+                    failure = _unwritable(path, err) if isinstance(err, OSError) else err
+            _agree(ctx, failure, f"saving {path}")
+            for entry, value in _host_values(units, ctx, on_host=rank0):
+                if writer is not None and failure is None:
+                    try:
+                        writer.write(entry, value)
+                    except Exception as err:  # keep gathering with the others; all raise below
+                        failure = _unwritable(path, err)
+            if writer is not None and failure is None:
+                try:
+                    writer.finish()
+                except Exception as err:
+                    failure = _unwritable(path, err)
+            _agree(ctx, failure, f"saving {path}")
+            committing = True  # leaving the stack fsyncs and renames the file (rank 0)
+    except OSError as err:
+        if not committing:
+            raise
+        commit_failure = _unwritable(path, err)
+    _agree(ctx, commit_failure, f"saving {path}")
+
+
+def _unwritable(path: Path, err: BaseException) -> RuntimeError:
+    error = RuntimeError(f"cannot write {path} ({type(err).__name__}: {err}); rank 0 writes the file: give a path in "
+                         "a folder it can create and write, on a disk with room for the model; the previous file at "
+                         "that path, if any, is unchanged")
+    error.__cause__ = err
+    return error
