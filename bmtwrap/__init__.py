@@ -6,7 +6,8 @@ Public names only; see each one's docstring. A BMTrain program runs after ``impo
 from . import loss, lr_scheduler, optim
 from .block import Block, CheckpointBlock
 from .blocklist import TransformerBlockList
-from .checkpoint import load, load_state_dict, save
+from .checkpoint import (CheckpointInfo, from_pretrained, load, load_checkpoint, load_pretrained, load_state_dict, save,
+                         save_checkpoint, save_pretrained)
 from .dist import init_distributed, print_rank, rank, sum_loss, synchronize, world_size
 from .module import DistributedModule, full_grad_dict, full_state_dict, init_parameters
 from .param import DistributedParameter
@@ -17,17 +18,20 @@ BMTrainModelWrapper = wrap
 __version__ = "0.1.0"
 
 __all__ = [
-    "BMTrainModelWrapper",
     "Block",
+    "BMTrainModelWrapper",
     "CheckpointBlock",
+    "CheckpointInfo",
     "DistributedModule",
     "DistributedParameter",
-    "TransformerBlockList",
+    "from_pretrained",
     "full_grad_dict",
     "full_state_dict",
     "init_distributed",
     "init_parameters",
     "load",
+    "load_checkpoint",
+    "load_pretrained",
     "load_state_dict",
     "loss",
     "lr_scheduler",
@@ -37,8 +41,11 @@ __all__ = [
     "print_rank",
     "rank",
     "save",
+    "save_checkpoint",
+    "save_pretrained",
     "sum_loss",
     "synchronize",
+    "TransformerBlockList",
     "world_size",
     "wrap",
     "WrapPlan",
