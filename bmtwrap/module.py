@@ -19,7 +19,7 @@ from torch import nn
 
 from .block import Block, shard_full_tensors
 from .collectives import all_gather, all_reduce_mean
-from .group import ROOT_LABEL, ParamGroup, PendingReduction, find_owners, full_value, lone_group
+from .group import ROOT_LABEL, FlatBuffer, ParamGroup, PendingReduction, ShardState, find_owners, lone_group
 from .param import DistributedParameter
 from .schedule import Engine, engine
 
@@ -199,10 +199,26 @@ def full_state_dict(model: nn.Module, *, with_buffers: bool = True) -> Dict[str,
     unwrapped model's (a :class:`Block` adds no ``_module.`` level).
     """
     eng = engine()
-    out: Dict[str, torch.Tensor] = {}
-    for name, value in model.state_dict(keep_vars=True).items():
+    entries = model.state_dict(keep_vars=True)
+    # Each flat buffer is gathered once for all of its parameters (in the same order on every rank).
+    by_buffer: Dict[int, Tuple[FlatBuffer, List[Tuple[str, int]]]] = {}
+    for name, value in entries.items():
         if isinstance(value, nn.Parameter) and eng.registry.is_sharded(value):
-            out[name] = full_value(eng.ctx, eng.registry, value)
+            buffer, index = eng.registry.buffer_of(eng.ctx, value)
+            by_buffer.setdefault(id(buffer), (buffer, []))[1].append((name, index))
+    gathered: Dict[str, torch.Tensor] = {}
+    for buffer, names in by_buffer.values():
+        was = buffer.state
+        buffer.ensure_gathered()
+        for name, index in names:
+            slot = buffer.slots[index]
+            gathered[name] = buffer.full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+        if was is ShardState.SHARDED:
+            buffer.release()
+    out: Dict[str, torch.Tensor] = {}
+    for name, value in entries.items():
+        if name in gathered:
+            out[name] = gathered[name]
         elif isinstance(value, nn.Parameter) or with_buffers:
             out[name] = value.detach().clone()
     return out

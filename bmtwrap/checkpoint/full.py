@@ -65,7 +65,7 @@ from ..dist import DistContext
 from ..group import FlatBuffer, ParamSlot, ShardState
 from ..schedule import engine
 from ..wrap.convert import restore_buffers
-from .io import atomic_file
+from .io import atomic_file, read_flat_range
 
 __all__ = ["load", "load_state_dict", "save"]
 
@@ -167,15 +167,7 @@ class _SafetensorsSource:
         return {k: tuple(self._handle.get_slice(k).get_shape()) for k in self._handle.keys()}
 
     def read_range(self, key: str, start: int, end: int) -> torch.Tensor:
-        part = self._handle.get_slice(key)
-        shape = part.get_shape()
-        row = 1
-        for size in shape[1:]:
-            row *= size
-        if not shape or row == 0:
-            return self._handle.get_tensor(key).reshape(-1)[start:end]
-        first, last = start // row, -(-end // row)  # rows [first, last) cover [start, end)
-        return part[first:last].reshape(-1)[start - first * row : end - first * row]
+        return read_flat_range(self._handle.get_slice(key), start, end)
 
     def read(self, key: str) -> torch.Tensor:
         return self._handle.get_tensor(key)

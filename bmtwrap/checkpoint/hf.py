@@ -32,6 +32,7 @@ from torch import nn
 
 from .. import dist as _dist
 from ..wrap.convert import materialize, restore_buffers, wrap
+from .io import read_flat_range
 from .hf_export import save_pretrained
 from .hf_keys import (INDEX_NAME, WEIGHTS_NAME, PathLike, _conversions, _Entry, _entries, _FullShapes, _Group,
                       _hf_model, _split)
@@ -91,14 +92,9 @@ class _Files:
             whole = sliced[...]
             return whole if span is None else whole.reshape(-1)[span[0] : span[1]]
         start, end = span
-        row = 1
-        for size in spec.shape[1:]:
-            row *= size
-        if start >= end or row == 0:
+        if start >= end:
             return torch.empty(0, dtype=spec.dtype)
-        first, last = start // row, -(-end // row)
-        rows = sliced[first:last].reshape(-1)  # (last - first) * row elements
-        return rows[start - first * row : end - first * row]
+        return read_flat_range(sliced, start, end)
 
     def close(self) -> None:
         handles, self._handles = self._handles, {}

@@ -10,13 +10,16 @@ left by a killed process is ignored by loaders (hidden name, never referenced by
 
 from __future__ import annotations
 
+import math
 import os
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Any, Iterator, Union
 
-__all__ = ["atomic_file", "fsync_dir", "temporary_name"]
+import torch
+
+__all__ = ["atomic_file", "fsync_dir", "read_flat_range", "temporary_name"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -64,3 +67,17 @@ def atomic_file(path: PathLike) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(final.parent)
+
+
+def read_flat_range(sliced: Any, start: int, end: int) -> torch.Tensor:
+    """Elements ``[start, end)`` of a safetensors tensor, flattened, reading only the rows that cover them.
+
+    ``sliced`` is what ``safe_open(...).get_slice(name)`` returns; the result may be a view of the
+    file's memory map.
+    """
+    shape = sliced.get_shape()
+    row = math.prod(shape[1:]) if shape else 0
+    if row == 0:  # a scalar or an empty tensor: nothing to save by slicing
+        return sliced[...].reshape(-1)[start:end]
+    first, last = start // row, -(-end // row)  # rows [first, last) cover [start, end)
+    return sliced[first:last].reshape(-1)[start - first * row : end - first * row]

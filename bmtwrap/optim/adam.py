@@ -235,10 +235,10 @@ class AdamOffloadOptimizer(_AdamBase):
         self._group_of: Dict[int, Dict[str, Any]] = {}
         registry = engine().registry if is_initialized() else None
         for group in self.param_groups:
-            for index, p in enumerate(group["params"]):
+            for p in group["params"]:
                 found = registry.lookup(p) if registry is not None else None
                 outside = found is None or found[0].label.startswith(ROOT_LABEL)
-                self._priority[id(p)] = len(self._priority) - (0 if not outside else 1 << 40)
+                self._priority[id(p)] = len(self._priority) - (1 << 40 if outside else 0)
                 self._group_of[id(p)] = group
         self.step_in_backward = step_in_backward
         if step_in_backward:
