@@ -102,9 +102,9 @@ class FlatBuffer:
         # False while the shard holds no values yet (a model built on the meta device); set by
         # materialisation or loading. Gathering garbage would train on it silently.
         self.initialized = True
-        # Writes of the shard still in flight (an offloading optimizer's copies back): a gather
-        # waits for each gate (set once the copy is queued) and then for its CUDA event.
-        self._writes: List[Tuple[Any, Any]] = []
+        # Writes of the shard still in flight (an offloading optimizer's updates): a gather waits
+        # for each (see await_write).
+        self._writes: List[Any] = []
 
     @property
     def dtype(self) -> torch.dtype:
@@ -135,20 +135,19 @@ class FlatBuffer:
             self._gather = all_gather(self.ctx, self.full, self.local)
         self.state = ShardState.GATHERING
 
-    def await_write(self, gate: Any, event: Any) -> None:
-        """The next gather must wait for ``gate`` (a threading.Event) and then ``event`` (a CUDA event or None)."""
-        self._writes.append((gate, event))
+    def await_write(self, write: Any) -> None:
+        """The next gather must first call ``write.wait()``, which returns once the write is complete for
+        the host and ordered before the current stream's later work (an ``ops.OffloadTicket``)."""
+        self._writes.append(write)
 
     def wait_writes(self) -> None:
-        """Wait for the shard's writes in flight: the host for each gate, the current stream for each event.
+        """Wait for the shard's writes in flight (the host, and the current stream for what follows).
 
         Whoever reads the local shard directly (a checkpoint) calls this first; gathers do it themselves.
         """
         writes, self._writes = self._writes, []
-        for gate, event in writes:
-            gate.wait()
-            if event is not None:  # None: a CPU write, complete once the gate is set
-                torch.cuda.current_stream(self.local.device).wait_event(event)
+        for write in writes:
+            write.wait()
 
     def check_parameters(self) -> None:
         """Every parameter must still be a view of this buffer's shard."""

@@ -5,12 +5,17 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <memory>
+#include <tuple>
+#include <vector>
 
 #include "common.h"
 #include "cpu/adam.h"
 #include "cpu/inf_nan.h"
+#include "cpu/offload.h"
 #ifdef BMTWRAP_WITH_CUDA
 #include "cuda/inf_nan.h"
+#include "cuda/offload_link.h"
 #endif
 // CUDA fused Adam and cross-entropy (cuda/adam.h, cuda/cross_entropy.h)
 #ifdef BMTWRAP_WITH_CUDA
@@ -71,6 +76,68 @@ PYBIND11_MODULE(_C, m) {
       "fp32; grad of grad_dtype, multiplied by grad_scale on load; when out_ptr != 0, the new param rounded "
       "to out_dtype (float16 or bfloat16) at out_ptr. Matches torch.optim.AdamW to fp32 rounding. "
       "num_threads=0: all cores; isa: which compiled kernels (CpuIsa.best: the widest this CPU has).");
+
+  // ---------------------------------------------------------------- offload queue (cpu/offload.h, cuda/offload_link.h)
+  using bmtwrap::cpu::OffloadQueue;
+  using bmtwrap::cpu::OffloadTicket;
+  py::class_<OffloadTicket>(m, "OffloadTicket", "One submitted update of an OffloadQueue.")
+      .def("done", &OffloadTicket::done, "Whether the update is finished on the host and its copy back queued.")
+      .def("wait", &OffloadTicket::wait, "stream"_a = 0, py::call_guard<py::gil_scoped_release>(),
+           "Block until done(); then, on a GPU, make stream (a cudaStream_t as an integer; 0 is the default stream) "
+           "wait for the copy back. "
+           "Raises RuntimeError if the update failed.");
+  // param, param_dtype, grad, grad_dtype, master, exp_avg, exp_avg_sq, numel, lr, beta1, beta2, eps,
+  // weight_decay, step, grad_scale, decoupled, priority
+  using UpdateTuple = std::tuple<std::uintptr_t, bmtwrap::DType, std::uintptr_t, bmtwrap::DType, std::uintptr_t,
+                                 std::uintptr_t, std::uintptr_t, int64_t, double, double, double, double, double,
+                                 int64_t, double, bool, int64_t>;
+  py::class_<OffloadQueue>(m, "OffloadQueue",
+                           "Adam updates run chunk by chunk on a C++ worker thread; see csrc/cpu/offload.cpp.")
+      .def(py::init([](int device, int64_t chunk_numel, int slots, int64_t grad_bytes, int64_t out_bytes,
+                       int num_threads) {
+             std::unique_ptr<bmtwrap::cpu::DeviceLink> link;
+             if (device >= 0) {
+#ifdef BMTWRAP_WITH_CUDA
+               link = bmtwrap::cuda::make_cuda_link(device, slots, grad_bytes, out_bytes);
+#else
+               throw std::invalid_argument("OffloadQueue: bmtwrap._C was built without CUDA");
+#endif
+             }
+             return std::make_unique<OffloadQueue>(std::move(link), chunk_numel, num_threads);
+           }),
+           "device"_a, "chunk_numel"_a, "slots"_a, "grad_bytes"_a, "out_bytes"_a, "num_threads"_a = 0,
+           "device: a CUDA device index, or -1 for host parameters (then slots and the byte sizes are unused). "
+           "grad_bytes, out_bytes: of each pinned staging slot's gradient and output halves.")
+      .def(
+          "submit",
+          [](OffloadQueue& queue, const std::vector<UpdateTuple>& updates, std::uintptr_t ready_stream) {
+            std::vector<bmtwrap::cpu::OffloadUpdate> specs;
+            specs.reserve(updates.size());
+            for (const auto& u : updates) {
+              const auto& [param, param_dtype, grad, grad_dtype, master, exp_avg, exp_avg_sq, numel, lr, beta1,
+                           beta2, eps, weight_decay, step, grad_scale, decoupled, priority] = u;
+              specs.push_back({param, param_dtype, grad, grad_dtype, master, exp_avg, exp_avg_sq, numel,
+                               {lr, beta1, beta2, eps, weight_decay, step, grad_scale, decoupled}, priority});
+            }
+            return queue.submit(specs, ready_stream);
+          },
+          "updates"_a, "ready_stream"_a, py::call_guard<py::gil_scoped_release>(),
+          "Queue updates, each a tuple (param, param_dtype, grad, grad_dtype, master, exp_avg, exp_avg_sq, numel, "
+          "lr, beta1, beta2, eps, weight_decay, step, grad_scale, decoupled, priority); on a device, gradients "
+          "are read once ready_stream reaches this point. Returns one OffloadTicket per update.")
+      .def("prioritise", &OffloadQueue::prioritise, "Until the queue is next empty, take the lowest priority first instead of the newest.")
+      .def("wait_all", &OffloadQueue::wait_all, py::call_guard<py::gil_scoped_release>(),
+           "Block until nothing is in flight; raise the first failure since the last call.")
+      .def("check", &OffloadQueue::check, "Raise the first failure since the last call, without waiting.")
+      .def(
+          "stats",
+          [](const OffloadQueue& queue) {
+            const OffloadQueue::Stats s = queue.stats();
+            return py::dict("adam_s"_a = s.adam_s, "stalled_s"_a = s.stalled_s, "idle_s"_a = s.idle_s,
+                            "elements"_a = s.elements);
+          },
+          "Where the worker's time went since the queue was made (seconds in the Adam kernel, waiting for a "
+          "gradient fetch, idle) and the elements it updated.");
 
 #ifdef BMTWRAP_WITH_CUDA
   m.def("has_inf_nan_cuda", &bmtwrap::cuda::has_inf_nan_cuda, "ptr"_a, "numel"_a, "dtype"_a, "flag_ptr"_a,

@@ -21,7 +21,7 @@ from .. import ops
 from ..dist import is_initialized
 from ..group import ROOT_LABEL
 from ..schedule import engine
-from .offload import DEFAULT_CHUNK_NUMEL, DEFAULT_SLOTS, OffloadPipeline, OffloadTask, host_zeros
+from .offload import DEFAULT_CHUNK_NUMEL, DEFAULT_SLOTS, host_zeros
 
 __all__ = ["AdamOffloadOptimizer", "AdamOptimizer"]
 
@@ -179,16 +179,17 @@ class AdamOffloadOptimizer(_AdamBase):
     """Adam(W) whose fp32 master and moments live in CPU memory.
 
     Each step copies gradient shards to the CPU through a bounded ring of pinned staging buffers,
-    updates them there with the vectorised CPU kernel on a worker thread and copies the new
-    parameters back, chunk by chunk (see [Note: offload pipeline] in ``optim/offload.py``). The
-    GPU keeps only the parameters (and, until they are copied, the gradients).
+    updates them there with the vectorised CPU kernel and copies the new parameters back, chunk by
+    chunk, all on a C++ worker thread that never needs Python's GIL (``ops.OffloadQueue``; see
+    [Note: offload queue] in ``csrc/cpu/offload.cpp``). The GPU keeps only the parameters (and,
+    until they are copied, the gradients).
 
     By default ``step()`` queues the work and returns; the next forward waits, block by block,
     only for the parameters it gathers, so the CPU update overlaps that forward.
 
     With ``step_in_backward=True`` each block's update starts during backward, as soon as its
     gradient shard is final, so the CPU works while the GPU computes the rest of backward, and its
-    gradient memory is freed once copied; ``step()`` then updates what is left (the parameters
+    gradient memory is freed once updated; ``step()`` then updates what is left (the parameters
     outside blocks, whose gradients complete with backward) and puts the remaining work in the
     order the next forward needs it. That requires every backward to be one optimizer step with
     the hyper-parameters of the moment: no gradient accumulation over several backward passes,
@@ -228,7 +229,9 @@ class AdamOffloadOptimizer(_AdamBase):
         if cpu_threads is None and device.type == "cuda":
             # Leave a core to the training loop's own thread: starved, it launches GPU work late.
             cpu_threads = max(1, torch.get_num_threads() - 1)
-        self._pipeline = OffloadPipeline(device, chunk_numel=chunk_numel, slots=staging_slots, threads=cpu_threads)
+        dtypes = {p.dtype for g in self.param_groups for p in g["params"]}
+        self._offload = ops.OffloadQueue(device, dtypes=dtypes, chunk_numel=chunk_numel, slots=staging_slots,
+                                         num_threads=cpu_threads)
         # Forward order: parameters outside blocks (gathered first, with the root) go first, then
         # the optimizer's own order, which is the model's.
         self._priority: Dict[int, int] = {}
@@ -272,25 +275,27 @@ class AdamOffloadOptimizer(_AdamBase):
 
     def wait(self) -> None:
         """Block until every queued update is written back (the host side; CUDA copies may still run)."""
-        self._pipeline.wait()
+        self._offload.wait_all()
+
+    def offload_stats(self) -> Dict[str, float]:
+        """Where the CPU worker's time went so far (see ``ops.OffloadQueue.stats``): seconds in the
+        Adam kernel, stalled on gradient copies, idle; and the elements updated."""
+        return self._offload.stats()
 
     def _queue(self, work: List[Tuple[torch.Tensor, Dict[str, Any], Dict[str, Any]]]) -> None:
-        """Hand updates to the pipeline; the next gather of each parameter waits for its own."""
-        tasks = [OffloadTask(p.detach(), state, hyper, p.grad.detach(), self._priority[id(p)])
-                 for p, state, hyper in work]
-        self._pipeline.submit(tasks)
+        """Hand updates to the offload queue; the next gather of each parameter waits for its own."""
+        updates = [ops.OffloadUpdate(p.detach(), p.grad.detach().contiguous(), state.get("master", p).detach(), state["exp_avg"],
+                                     state["exp_avg_sq"], hyper, self._priority[id(p)]) for p, state, hyper in work]
+        tickets = self._offload.submit(updates)
         registry = engine().registry if is_initialized() else None
-        for (p, _, _), task in zip(work, tasks):
+        for (p, _, _), ticket in zip(work, tickets):
             found = registry.lookup(p) if registry is not None else None
             if found is not None:
-                found[0].await_write(task.gate, task.written)
+                found[0].await_write(ticket)
             else:
                 # No gather stands between this parameter and its next reader (a replicated one):
                 # the caller's stream waits here. These go first, so the wait is short.
-                task.gate.wait()
-                self._pipeline.raise_error()
-                if task.written is not None:
-                    torch.cuda.current_stream(p.device).wait_event(task.written)
+                ticket.wait()
 
     def _grads_final(self, buffer: Any) -> None:
         """The engine's report, during backward: ``buffer``'s gradient shard is final."""
@@ -303,7 +308,7 @@ class AdamOffloadOptimizer(_AdamBase):
             work.append(self._advance(p, group, 1.0))
         self._queue(work)
         for p, _, _ in work:
-            p.grad = None  # handed over: the pipeline holds it until copied
+            p.grad = None  # handed over: the queue holds it until the update is done
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scale: float = 1.0) -> Any:
@@ -314,8 +319,8 @@ class AdamOffloadOptimizer(_AdamBase):
         if not self.step_in_backward:
             self.wait()
         loss, work = self._prepare(closure, grad_scale)
-        self._pipeline.prioritise()
+        self._offload.prioritise()
         self._queue(work)
-        if self._pipeline.device.type == "cpu" and not self.step_in_backward:
+        if self._offload.device.type == "cpu" and not self.step_in_backward:
             self.wait()  # nothing to overlap with on a CPU-only machine
         return loss
