@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import resource
 import statistics
 import time
@@ -43,6 +44,16 @@ def flops_per_token(config: transformers.LlamaConfig, model: torch.nn.Module, se
     params = sum(p.numel() for p in model.parameters())
     lookup = 0 if config.tie_word_embeddings else model.model.embed_tokens.weight.numel()
     return 6 * (params - lookup) + 12 * config.num_hidden_layers * config.hidden_size * seq
+
+
+def host_huge_pages_gib() -> float:
+    """This process's memory on transparent huge pages (Linux; 0.0 elsewhere)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            kib = next((int(line.split()[1]) for line in f if line.startswith("AnonHugePages:")), 0)
+    except OSError:
+        return 0.0
+    return round(kib / 2**20, 2)
 
 
 def main() -> None:
@@ -83,7 +94,10 @@ def main() -> None:
                         generator=torch.Generator().manual_seed(ctx.rank)).to(ctx.device)
     torch.cuda.reset_peak_memory_stats()
     times = []
+    offloading = args.optimizer.startswith("offload")
     for i in range(args.warmup + args.steps):
+        if i == args.warmup and offloading:
+            stats_before = optimizer.offload_stats()
         torch.cuda.synchronize()
         start = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
@@ -93,8 +107,16 @@ def main() -> None:
         torch.cuda.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
-    if args.optimizer.startswith("offload"):
+    cpu = {}
+    if offloading:
         optimizer.wait()  # the last step's CPU updates
+        stats = {k: v - stats_before[k] for k, v in optimizer.offload_stats().items()}
+        cpu = dict(host_huge_gib=host_huge_pages_gib(), cpu_adam_s=round(stats["adam_s"] / args.steps, 4), cpu_stalled_s=round(stats["stalled_s"] / args.steps, 4),
+                   cpu_idle_s=round(stats["idle_s"] / args.steps, 4),
+                   cpu_adam_melem_s=round(stats["elements"] / max(stats["adam_s"], 1e-9) / 1e6, 1))
+    if not math.isfinite(loss.item()):
+        raise SystemExit(f"the loss is {loss.item()} after {args.warmup + args.steps} steps: training is broken, "
+                         "the timings mean nothing")
     step = statistics.median(times)
     tokens = args.batch * args.seq
     bmt.print_rank("RESULT " + json.dumps(dict(
@@ -102,7 +124,7 @@ def main() -> None:
         activation_checkpointing=args.checkpoint, zero_level=args.zero_level, optimizer=args.optimizer,
         offload_threads=args.offload_threads, step_s=round(step, 4), tok_s_gpu=round(tokens / step, 1), mfu=round(per_token * tokens / step / PEAK_FLOPS, 4),
         peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), loss=round(loss.item(), 4),
-        host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+        host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2), **cpu,
     )), flush=True)
     torch.distributed.destroy_process_group()
 
