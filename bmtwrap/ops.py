@@ -1037,6 +1037,8 @@ class OffloadQueue:
         """
         hypers = [self._check(u) for u in updates]
         self.check()
+        if not updates:
+            return []
         if self._queue is None:
             for u in updates:
                 self._run_reference(u)
