@@ -993,7 +993,7 @@ class OffloadQueue:
     buffers always run in the order they were submitted.
     See [Note: offload queue] in ``csrc/cpu/offload.cpp``. The queue keeps each update's tensors
     alive until it is done. Without the compiled extension (or its CUDA half, for a GPU) every
-    update runs synchronously in :meth:`submit`, in plain PyTorch.
+    update runs synchronously in :meth:`submit`, through :func:`adam_step_cpu`.
 
     Args:
         device: where the parameters are (``cpu`` or one CUDA device).
@@ -1016,7 +1016,7 @@ class OffloadQueue:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
-        self._itemsize = max([torch.empty(0, dtype=d).element_size() for d in dtypes] + [2])
+        self._itemsize = max([d.itemsize for d in dtypes] + [2])
         self._held: list[tuple[object, tuple[torch.Tensor, ...]]] = []
         self._ext = _extension_for(device)
         self._queue = None
@@ -1041,7 +1041,7 @@ class OffloadQueue:
             return []
         if self._queue is None:
             for u in updates:
-                self._run_reference(u)
+                self._run_now(u)
             return [OffloadTicket(None, self.device) for _ in updates]
         ext = self._ext
         specs = [(u.param.data_ptr(), _dtype_code(ext, u.param.dtype), u.grad.data_ptr(), _dtype_code(ext, u.grad.dtype),
@@ -1108,15 +1108,14 @@ class OffloadQueue:
             raise TypeError(f"priority must be an int, got {type(u.priority).__name__}")
         return tuple(_check_adam_hyper(**u.hyper))
 
-    def _run_reference(self, u: OffloadUpdate) -> None:
-        own_master = self.device.type == "cpu" and u.param.dtype == torch.float32
-        grad = u.grad.reshape(-1).cpu()
-        out = None if own_master or u.param.dtype == torch.float32 else torch.empty_like(u.master.view(-1),
-                                                                                         dtype=u.param.dtype)
-        _adam_reference(u.master.view(-1), grad, u.exp_avg.view(-1), u.exp_avg_sq.view(-1), **u.hyper, out=out)
-        if not own_master:
+    def _run_now(self, u: OffloadUpdate) -> None:
+        """The update, synchronously, through adam_step_cpu (its kernel where only the CUDA half is missing)."""
+        rounded = None if u.param.dtype == torch.float32 else torch.empty(u.param.numel(), dtype=u.param.dtype)
+        adam_step_cpu(u.master.view(-1), u.grad.reshape(-1).cpu(), u.exp_avg.view(-1), u.exp_avg_sq.view(-1),
+                      out=rounded, **u.hyper)
+        if u.master.data_ptr() != u.param.data_ptr():
             with torch.no_grad():
-                u.param.view(-1).copy_(u.master.view(-1) if out is None else out)
+                u.param.view(-1).copy_(u.master.view(-1) if rounded is None else rounded)
         torch.autograd.graph.increment_version([u.param])
 
 
