@@ -68,6 +68,10 @@ def main() -> None:
     parser.add_argument("--optimizer", default="adam", choices=["adam", "offload", "offload-in-backward", "torch"])
     parser.add_argument("--offload-threads", type=int, default=None,
                         help="CPU threads of the offloaded update (default: the optimizer's)")
+    parser.add_argument("--offload-fraction", type=float, default=1.0,
+                        help="share of the parameters whose optimizer state the offload optimizers keep on the CPU")
+    parser.add_argument("--offload-params", action="store_true",
+                        help="keep parameter shards in host memory too (wrap(offload_params=True))")
     args = parser.parse_args()
 
     ctx = bmt.init_distributed(seed=0, zero_level=args.zero_level)
@@ -78,15 +82,17 @@ def main() -> None:
     per_token = flops_per_token(config, model, args.seq)
     params = sum(p.numel() for p in model.parameters())
     checkpoint = {"true": True, "false": False, "auto": "auto"}[args.checkpoint]
-    model = bmt.wrap(model, checkpoint=checkpoint)
+    model = bmt.wrap(model, checkpoint=checkpoint, offload_params=args.offload_params)
     bmt.materialize(model)
     model.train()
     optimizer = {
         "adam": lambda: bmt.optim.AdamOptimizer(model.parameters(), lr=1e-4),
         "offload": lambda: bmt.optim.AdamOffloadOptimizer(model.parameters(), lr=1e-4,
-                                                          cpu_threads=args.offload_threads),
+                                                          cpu_threads=args.offload_threads,
+                                                          offload_fraction=args.offload_fraction),
         "offload-in-backward": lambda: bmt.optim.AdamOffloadOptimizer(
-            model.parameters(), lr=1e-4, step_in_backward=True, cpu_threads=args.offload_threads),
+            model.parameters(), lr=1e-4, step_in_backward=True, cpu_threads=args.offload_threads,
+            offload_fraction=args.offload_fraction),
         "torch": lambda: torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True),
     }[args.optimizer]()
 
@@ -122,7 +128,8 @@ def main() -> None:
     bmt.print_rank("RESULT " + json.dumps(dict(
         system="bmtwrap", size=args.size, world=ctx.world_size, batch=args.batch, seq=args.seq, params=params,
         activation_checkpointing=args.checkpoint, zero_level=args.zero_level, optimizer=args.optimizer,
-        offload_threads=args.offload_threads, step_s=round(step, 4), tok_s_gpu=round(tokens / step, 1), mfu=round(per_token * tokens / step / PEAK_FLOPS, 4),
+        offload_threads=args.offload_threads, offload_fraction=args.offload_fraction,
+        offload_params=args.offload_params, step_s=round(step, 4), tok_s_gpu=round(tokens / step, 1), mfu=round(per_token * tokens / step / PEAK_FLOPS, 4),
         peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), loss=round(loss.item(), 4),
         host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2), **cpu,
     )), flush=True)

@@ -82,11 +82,12 @@ class BlockRunner:
         reduce_dtype: dtype gradients are reduced in; default: the parameters' dtype.
         exclude: ids of parameters under ``module`` that another group owns.
         allow_meta: accept parameters on the meta device (their shards start uninitialised).
+        offload_params: keep the shards in pinned host memory (see [Note: offloaded shards]).
     """
 
     def __init__(self, module: nn.Module, name: str, *, use_checkpoint: bool = True,
                  zero_level: Optional[int] = None, reduce_dtype: Optional[torch.dtype] = None,
-                 exclude: Iterable[int] = (), allow_meta: bool = False) -> None:
+                 exclude: Iterable[int] = (), allow_meta: bool = False, offload_params: bool = False) -> None:
         ctx = _dist.current()
         if zero_level is None:
             zero_level = ctx.zero_level
@@ -98,7 +99,7 @@ class BlockRunner:
         self._engine: Engine = engine(ctx)
         exclude = set(exclude)
         self.group: ParamGroup = build_group(ctx, self._engine.registry, module, name, self._reduced, reduce_dtype,
-                                             exclude=exclude, allow_meta=allow_meta)
+                                             exclude=exclude, allow_meta=allow_meta, offload=offload_params)
         # Parameters under this module that another group (the root) owns: shared or tied weights.
         self.reads_foreign = any(id(p) in exclude for p in module.parameters())
         # Told the bytes a recomputation kept alive (checkpoint="auto" measures with it); CUDA only.
@@ -288,6 +289,8 @@ class Block(nn.Module):
         zero_level: 3 frees gathered parameters after forward, 2 keeps them for backward;
             default: the value given to :func:`bmtwrap.init_distributed`.
         reduce_dtype: dtype gradients are averaged in; default: the parameters' own.
+        offload_params: keep this block's parameter shards (and their gradients) in pinned CPU
+            memory; the GPU holds them only while the block is gathered (see :func:`bmtwrap.wrap`).
 
     State dict keys are the inner module's, without a ``_module.`` level, as in BMTrain; its
     values are this rank's pieces. ``load_state_dict`` accepts pieces or full-shaped tensors.
@@ -305,7 +308,7 @@ class Block(nn.Module):
     """
 
     def __init__(self, inner_module: nn.Module, use_checkpoint: bool = True, zero_level: Optional[int] = None,
-                 *, reduce_dtype: Optional[torch.dtype] = None) -> None:
+                 *, reduce_dtype: Optional[torch.dtype] = None, offload_params: bool = False) -> None:
         if not isinstance(inner_module, nn.Module):
             raise TypeError(
                 f"Block expects an nn.Module, got {type(inner_module).__name__}; wrap the layer module itself"
@@ -315,7 +318,7 @@ class Block(nn.Module):
         super().__init__()
         self._module = inner_module
         self._runner = BlockRunner(inner_module, _unique_name(inner_module), use_checkpoint=use_checkpoint,
-                                   zero_level=zero_level, reduce_dtype=reduce_dtype)
+                                   zero_level=zero_level, reduce_dtype=reduce_dtype, offload_params=offload_params)
         self._owner_list: Optional["weakref.ref[nn.Module]"] = None  # the TransformerBlockList holding it
         self.register_state_dict_post_hook(_strip_module_prefix)
         self.register_load_state_dict_pre_hook(_add_module_prefix)  # must run before the next one

@@ -46,12 +46,16 @@ class Pending:
 
 
 def all_gather(ctx: DistContext, full: torch.Tensor, local: torch.Tensor) -> Pending:
-    """Gather every rank's ``local`` shard into ``full`` (``world_size * local.numel()`` elements)."""
+    """Gather every rank's ``local`` shard into ``full`` (``world_size * local.numel()`` elements).
+
+    ``local`` may be this rank's slice of ``full`` itself (a gather in place).
+    """
     assert full.numel() == local.numel() * ctx.world_size, (
         f"rank {ctx.rank}: gather of {local.numel()} x {ctx.world_size} into {full.numel()} elements"
     )
     if ctx.world_size == 1:
-        full.copy_(local)
+        if full.data_ptr() != local.data_ptr():  # a gather in place needs no copy
+            full.copy_(local)
         return Pending(None, full)
     work = _all_gather_single(full, local, group=ctx.group, async_op=True)
     return Pending(work, full)

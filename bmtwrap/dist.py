@@ -13,7 +13,7 @@ import os
 import random
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,8 @@ class DistContext:
         seed: the seed every RNG was seeded with.
         engine: the engine's run-time state (execution order, pending reductions), created on
             first use by :mod:`bmtwrap.schedule`; ``None`` until then.
+        copy_streams: CUDA streams for copies between host and device beside the computation,
+            by direction (see :meth:`copy_stream`).
     """
 
     rank: int
@@ -54,6 +56,18 @@ class DistContext:
     zero_level: int
     seed: int
     engine: Optional[Any] = field(default=None, repr=False)
+    copy_streams: Dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def copy_stream(self, direction: str) -> "torch.cuda.Stream":
+        """The stream of ``direction``'s copies ("to_device" or "to_host") on this CUDA device, made on first use.
+
+        One per direction, so that parameters going to the GPU and gradients leaving it use both
+        copy engines at once.
+        """
+        stream = self.copy_streams.get(direction)
+        if stream is None:
+            stream = self.copy_streams[direction] = torch.cuda.Stream(self.device)
+        return stream
 
     @property
     def group(self) -> dist.ProcessGroup:

@@ -12,6 +12,19 @@ after forward (ZeRO-3).
 While a group's owner runs, each owning module's ``_parameters[name]`` entry is swapped from the
 sharded parameter to a full-shaped view produced by :class:`_Unshard`, an autograd function whose
 backward receives the full gradients and hands them to the owner for reduce-scattering.
+
+[Note: offloaded shards]
+With ``offload_params`` a buffer's ``local`` shard (and so every sharded parameter, and its
+``.grad``) lives in pinned host memory while the model computes on the GPU: the GPU holds a
+block's parameters only while it is gathered. A gather copies the shard into this rank's slice of
+``full`` and all-gathers in place, both on the context's to-device copy stream (after the work
+queued so far on the current stream), and the consumer's wait covers the copy. A reduced gradient
+shard is copied to a new pinned host tensor on the to-host copy stream without blocking; the engine
+waits for those copies (:meth:`FlatBuffer.wait_grads`) when backward ends, and an offloading
+optimizer that takes a gradient during backward orders its read after the copy on that stream
+(:attr:`FlatBuffer.grad_stream`). Host writes of a shard (an optimizer step) come after that wait
+or that stream's event, and so after every copy of the shard that an earlier gather queued (the
+computation that produced the gradient waited for it).
 """
 
 from __future__ import annotations
@@ -83,7 +96,8 @@ class FlatBuffer:
     """Parameters of one dtype and one ``requires_grad``, laid out flat (see [Note: flat layout])."""
 
     def __init__(self, ctx: DistContext, layout: FlatLayout, local: torch.Tensor, slots: List[ParamSlot],
-                 requires_grad: bool, reduce_dtype: Optional[torch.dtype] = None, label: str = "") -> None:
+                 requires_grad: bool, reduce_dtype: Optional[torch.dtype] = None, label: str = "",
+                 offloaded: bool = False) -> None:
         self.ctx = ctx
         self.label = label  # names this buffer's collectives in profiler traces
         self.layout = layout
@@ -91,7 +105,11 @@ class FlatBuffer:
         self.slots = slots
         self.requires_grad = requires_grad
         self.reduce_dtype = reduce_dtype or local.dtype
-        self.full = torch.empty(layout.padded_total, dtype=local.dtype, device=local.device)
+        # The shard lives on the host and the computation on ctx.device (see [Note: offloaded shards]).
+        self.offloaded = offloaded
+        self._grad_copied: Optional[torch.cuda.Event] = None  # the last gradient copy to the host in flight
+        self._copied: Optional[torch.cuda.Event] = None  # the gather's copy from the host in flight
+        self.full = torch.empty(layout.padded_total, dtype=local.dtype, device=ctx.device)
         self.full.untyped_storage().resize_(0)
         self.state = ShardState.SHARDED
         self._gather: Optional[Pending] = None
@@ -132,8 +150,28 @@ class FlatBuffer:
             storage.resize_(nbytes)
         self._gathered_version = self._version()
         with record_function(f"bmtwrap.all_gather:{self.label}"):
-            self._gather = all_gather(self.ctx, self.full, self.local)
+            if self.offloaded:
+                self._gather_from_host()
+            else:
+                self._gather = all_gather(self.ctx, self.full, self.local)
         self.state = ShardState.GATHERING
+
+    def _gather_from_host(self) -> None:
+        """Copy the host shard into this rank's slice of ``full`` and all-gather in place; on CUDA both on
+        the to-device copy stream, so that the copy overlaps the computation (see [Note: offloaded shards])."""
+        size = self.layout.shard_size
+        source = self.full[self.ctx.rank * size : (self.ctx.rank + 1) * size]
+        if self.ctx.device.type != "cuda":
+            source.copy_(self.local)
+            self._gather = all_gather(self.ctx, self.full, source)
+            return
+        stream = self.ctx.copy_stream("to_device")
+        stream.wait_stream(torch.cuda.current_stream(self.ctx.device))  # full's storage was just allocated there
+        with torch.cuda.stream(stream):
+            source.copy_(self.local, non_blocking=True)
+            self._gather = all_gather(self.ctx, self.full, source)  # NCCL waits for this stream: after the copy
+            self._copied = torch.cuda.Event()
+            self._copied.record(stream)
 
     def await_write(self, write: Any) -> None:
         """The next gather must first call ``write.wait()``, which returns once the write is complete for
@@ -164,6 +202,9 @@ class FlatBuffer:
         assert self.state is ShardState.GATHERING, f"rank {self.ctx.rank}: wait on a {self.state.value} buffer"
         self._gather.wait()
         self._gather = None
+        if self._copied is not None:  # a copy from the host, which a world of one does not gather after
+            torch.cuda.current_stream(self.ctx.device).wait_event(self._copied)
+            self._copied = None
         self.state = ShardState.GATHERED
 
     def release(self) -> None:
@@ -197,7 +238,7 @@ class FlatBuffer:
     def reduce_grads(self, grads: Sequence[Optional[torch.Tensor]]) -> PendingReduction:
         """Copy the full gradients into one flat buffer and start its reduce-scatter."""
         assert self.requires_grad, f"rank {self.ctx.rank}: gradients for a frozen buffer"
-        full_grad = torch.empty(self.layout.padded_total, dtype=self.reduce_dtype, device=self.local.device)
+        full_grad = torch.empty(self.layout.padded_total, dtype=self.reduce_dtype, device=self.ctx.device)
         for slot, grad in zip(self.slots, grads):
             target = full_grad[slot.offset : slot.offset + slot.numel]
             if grad is None:
@@ -206,7 +247,7 @@ class FlatBuffer:
                 target.copy_(grad.reshape(-1))
         for start, end in self._gaps:
             full_grad[start:end].zero_()
-        shard = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=self.local.device)
+        shard = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=self.ctx.device)
         with record_function(f"bmtwrap.reduce_scatter:{self.label}"):
             pending = reduce_scatter_mean(self.ctx, shard, full_grad)
         return PendingReduction(self, pending, full_grad)
@@ -217,10 +258,14 @@ class FlatBuffer:
         When every ``.grad`` is still the view we assigned last time, one flat add does it all;
         when all are ``None`` (after ``zero_grad()``), views of ``shard`` are assigned without a
         copy; otherwise (the user replaced some) each parameter is updated on its own.
+        An offloaded buffer first copies ``shard`` to the host: without waiting when it becomes
+        the gradient, synchronously when it is added to one.
         """
         if shard.dtype != self.dtype:
             shard = shard.to(self.dtype)
         params = [s.param for s in self.slots]
+        if self.offloaded:
+            shard = self._to_host(shard, wait=not all(p.grad is None for p in params))
         if self._grad_flat is not None and all(p.grad is v for p, v in zip(params, self._grad_views)):
             self._grad_flat.add_(shard)
             return
@@ -237,6 +282,33 @@ class FlatBuffer:
                 slot.param.grad = piece.clone()
             else:
                 slot.param.grad.add_(piece)
+
+
+    @property
+    def grad_stream(self) -> Optional["torch.cuda.Stream"]:
+        """The stream a reader of the host gradient must follow (offloaded buffers on CUDA), else ``None``."""
+        return self.ctx.copy_stream("to_host") if self.offloaded and self.ctx.device.type == "cuda" else None
+
+    def _to_host(self, shard: torch.Tensor, wait: bool) -> torch.Tensor:
+        host = torch.empty(shard.numel(), dtype=shard.dtype, pin_memory=shard.is_cuda)
+        stream = self.grad_stream
+        if stream is None or wait:
+            self.wait_grads()  # the gradient this one is added to may still be arriving
+            host.copy_(shard)
+            return host
+        stream.wait_stream(torch.cuda.current_stream(self.ctx.device))
+        with torch.cuda.stream(stream):
+            host.copy_(shard, non_blocking=True)
+            self._grad_copied = torch.cuda.Event()
+            self._grad_copied.record(stream)
+        shard.record_stream(stream)  # its memory returns to the allocator only after the copy
+        return host
+
+    def wait_grads(self) -> None:
+        """Wait until the gradient shards copied to the host so far have arrived (offloaded buffers)."""
+        if self._grad_copied is not None:
+            self._grad_copied.synchronize()
+            self._grad_copied = None
 
 
 def _padding_ranges(layout: FlatLayout) -> List[Tuple[int, int]]:
@@ -425,14 +497,15 @@ def _check_devices(ctx: DistContext, named: Sequence[Tuple[str, nn.Parameter]], 
 
 def build_group(ctx: DistContext, registry: ParamRegistry, module: nn.Module, name: str,
                 on_reduce: GradSink, reduce_dtype: Optional[torch.dtype] = None,
-                exclude: Iterable[int] = (), allow_meta: bool = False) -> ParamGroup:
+                exclude: Iterable[int] = (), allow_meta: bool = False, offload: bool = False) -> ParamGroup:
     """Shard every parameter under ``module`` (except ids in ``exclude``) into a new group.
 
     Plain parameters are sliced locally; a lone :class:`DistributedParameter` (already sharded
     at construction) is gathered once and re-laid into the group's buffers.
 
     With ``allow_meta``, parameters on the meta device get uninitialised shards, to be filled by
-    materialisation or loading.
+    materialisation or loading. With ``offload``, the shards live in (pinned) host memory (see
+    [Note: offloaded shards]).
 
     Raises:
         ValueError: parameters on several devices, or on a device other than this process's
@@ -462,7 +535,9 @@ def build_group(ctx: DistContext, registry: ParamRegistry, module: nn.Module, na
     for (dtype, requires_grad), members in by_kind.items():
         shapes = [p._original_shape if isinstance(p, DistributedParameter) else p.shape for _, p in members]
         layout = build_layout([s.numel() for s in shapes], ctx.world_size, torch.empty((), dtype=dtype).element_size())
-        local = (torch.empty if on_meta else torch.zeros)(layout.shard_size, dtype=dtype, device=ctx.device)
+        local = (torch.empty if on_meta else torch.zeros)(layout.shard_size, dtype=dtype,
+                                                          device="cpu" if offload else ctx.device,
+                                                          pin_memory=offload and ctx.device.type == "cuda")
         slots = []
         for index, ((qualified, param), shape) in enumerate(zip(members, shapes)):
             piece = layout.piece(index, ctx.rank)
@@ -489,7 +564,7 @@ def build_group(ctx: DistContext, registry: ParamRegistry, module: nn.Module, na
             regs = tuple(owner for _, owner in owners[id(param)])
             slots.append(ParamSlot(param, qualified, torch.Size(shape), layout.offsets[index], piece, regs))
         buffer = FlatBuffer(ctx, layout, local, slots, requires_grad, reduce_dtype if requires_grad else None,
-                            label=name)
+                            label=name, offloaded=offload)
         buffer.initialized = not on_meta
         registry.add(buffer)
         buffers.append(buffer)

@@ -242,7 +242,7 @@ def full_grad_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
             continue
         buffer, index = eng.registry.buffer_of(ctx, param)
         if id(buffer) not in gathered:
-            shard = torch.zeros(buffer.layout.shard_size, dtype=buffer.dtype, device=buffer.local.device)
+            shard = torch.zeros(buffer.layout.shard_size, dtype=buffer.dtype, device=ctx.device)
             for slot in buffer.slots:
                 if slot.param.grad is not None:
                     shard[slot.piece.shard_start : slot.piece.shard_end] = slot.param.grad

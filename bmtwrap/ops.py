@@ -948,7 +948,7 @@ def _check_or_allocate_ce_out(
 class OffloadUpdate(NamedTuple):
     """One parameter shard's update for :class:`OffloadQueue`."""
 
-    param: torch.Tensor  # the shard, on the queue's device; rewritten with the new values
+    param: torch.Tensor  # the shard, on the queue's device or the CPU; rewritten with the new values
     grad: torch.Tensor  # its gradient: same device and element count, any float dtype
     master: torch.Tensor  # the fp32 master on the CPU; ``param`` itself for an fp32 CPU shard
     exp_avg: torch.Tensor  # fp32, CPU
@@ -988,7 +988,10 @@ class OffloadQueue:
     elements; for shards on a GPU it copies each gradient chunk into pinned staging (once the
     current stream has reached the point of submission), runs :func:`adam_step_cpu`'s kernel on
     the fp32 master and moments in CPU memory and copies the new parameters back, the three
-    overlapping across chunks; CPU shards are updated in place. The worker never needs the GIL.
+    overlapping across chunks; CPU shards are updated in place. A queue for a GPU also takes CPU
+    shards whose gradients the current stream is still copying to the host (parameters offloaded
+    by ``wrap(offload_params=True)``): it updates them in place once the stream has reached the
+    point of submission. The worker never needs the GIL.
     It takes the newest update first (or by priority, see :meth:`prioritise`); updates of the same
     buffers always run in the order they were submitted.
     See [Note: offload queue] in ``csrc/cpu/offload.cpp``. The queue keeps each update's tensors
@@ -1027,8 +1030,11 @@ class OffloadQueue:
             self._queue = self._ext.OffloadQueue(index, chunk_numel, slots, chunk_numel * self._itemsize,
                                                  out_bytes, threads)
 
-    def submit(self, updates: list[OffloadUpdate]) -> list[OffloadTicket]:
+    def submit(self, updates: list[OffloadUpdate], ready_stream: torch.cuda.Stream | None = None) -> list[OffloadTicket]:
         """Queue ``updates``; returns one ticket per update, in order.
+
+        On a GPU the gradients are read once ``ready_stream`` (default: the current stream) has reached
+        this point.
 
         Raises:
             TypeError, ValueError: a tensor or hyper-parameter is not what :class:`OffloadUpdate`
@@ -1040,14 +1046,21 @@ class OffloadQueue:
         if not updates:
             return []
         if self._queue is None:
+            if self.device.type == "cuda" and any(u.grad.device.type == "cpu" for u in updates):
+                # Host gradients may still be arriving.
+                (ready_stream or torch.cuda.current_stream(self.device)).synchronize()
             for u in updates:
                 self._run_now(u)
             return [OffloadTicket(None, self.device) for _ in updates]
         ext = self._ext
         specs = [(u.param.data_ptr(), _dtype_code(ext, u.param.dtype), u.grad.data_ptr(), _dtype_code(ext, u.grad.dtype),
-                  u.master.data_ptr(), u.exp_avg.data_ptr(), u.exp_avg_sq.data_ptr(), u.param.numel(), *h, u.priority)
+                  u.master.data_ptr(), u.exp_avg.data_ptr(), u.exp_avg_sq.data_ptr(), u.param.numel(), *h, u.priority,
+                  u.param.device.type == "cpu")
                  for u, h in zip(updates, hypers)]
-        ready = _current_raw_stream(self.device.index) if self.device.type == "cuda" else 0
+        if self.device.type != "cuda":
+            ready = 0
+        else:
+            ready = _current_raw_stream(self.device.index) if ready_stream is None else ready_stream.cuda_stream
         self._held = [(t, keep) for t, keep in self._held if not t.done()]
         tickets = self._queue.submit(specs, ready)
         self._held.extend((t, tuple(u[:5])) for t, u in zip(tickets, updates))
@@ -1088,18 +1101,20 @@ class OffloadQueue:
             (_check_float_tensor if name in ("param", "grad") else _check_adam_state)(name, tensor)
             if tensor.numel() != u.param.numel():
                 raise ValueError(f"{name} has {tensor.numel()} elements but param has {u.param.numel()}")
+        host = u.param.device.type == "cpu"
         for name in ("param", "grad"):
-            if getattr(u, name).device != self.device:
-                raise ValueError(f"{name} is on {getattr(u, name).device} but the queue is for {self.device}")
+            if getattr(u, name).device != u.param.device or not (host or u.param.device == self.device):
+                raise ValueError(f"{name} is on {getattr(u, name).device} but the queue is for {self.device}; param "
+                                 "and grad must both be there, or both on the CPU")
             if getattr(u, name).element_size() > self._itemsize:
                 raise ValueError(f"{name} has dtype {getattr(u, name).dtype}, wider than the dtypes the queue "
                                  "was made for; pass it in dtypes")
         own_master = u.master is u.param or u.master.data_ptr() == u.param.data_ptr()
-        if own_master != (self.device.type == "cpu" and u.param.dtype == torch.float32):
+        if own_master != (host and u.param.dtype == torch.float32):
             raise ValueError("master must be param itself exactly when param is an fp32 CPU tensor; otherwise "
                              "a separate fp32 CPU tensor")
         tensors = {"master": u.master, "exp_avg": u.exp_avg, "exp_avg_sq": u.exp_avg_sq}
-        if self.device.type == "cpu":
+        if host:
             tensors["grad"] = u.grad
             if not own_master:
                 tensors["param"] = u.param

@@ -94,6 +94,8 @@ class Engine:
         self._grad_listeners: List["weakref.WeakMethod[Callable[[FlatBuffer], None]]"] = []
         self._in_backward: List[Participant] = []  # participants that ran forward with grad
         self._callback_task = -1  # the autograd graph task our end-of-backward callback is queued on
+        # Offloaded buffers whose gradients this backward copies to the host (see [Note: offloaded shards]).
+        self._host_grads: Dict[int, FlatBuffer] = {}
 
     # --- forward ---------------------------------------------------------------------------------
     def forward_with_grad(self, participant: Participant) -> None:
@@ -127,6 +129,8 @@ class Engine:
     def _finish_oldest(self) -> None:
         reduction, final = self._pending.pop(0)
         reduction.finish()
+        if reduction.buffer.offloaded:
+            self._host_grads[id(reduction.buffer)] = reduction.buffer
         if final:
             for listener in list(self._grad_listeners):
                 method = listener()
@@ -165,6 +169,7 @@ class Engine:
         pending, self._pending = self._pending, []
         for reduction, _ in pending:
             reduction.discard()
+        self._wait_host_grads()
         participants, self._in_backward = self._in_backward, []
         for participant in participants:
             participant.backward_done()
@@ -174,11 +179,19 @@ class Engine:
     def _backward_finished(self) -> None:
         self._callback_task = -1
         self.finish_reductions()
+        self._wait_host_grads()
         participants, self._in_backward = self._in_backward, []
         for participant in participants:
             participant.backward_done()
         self.order.restart()
         self.order.known = True
+
+
+    def _wait_host_grads(self) -> None:
+        """Gradients of offloaded buffers are read on the host after backward: wait for their copies."""
+        buffers, self._host_grads = self._host_grads, {}
+        for buffer in buffers.values():
+            buffer.wait_grads()
 
 
 def engine(ctx: Optional[DistContext] = None) -> Engine:

@@ -64,7 +64,7 @@ class GPT(nn.Module):
     def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, layers: int = 3, seq: int = 16, *,
                  sharded: bool = False, use_checkpoint: bool = True, zero_level: int = 3,
                  triple: bool = False, frozen_first_layer: bool = False, dtype: Optional[torch.dtype] = None,
-                 device: Optional[str] = None) -> None:
+                 device: Optional[str] = None, offload_params: bool = False) -> None:
         super().__init__()
         self.triple = triple
         # Values are drawn in fp32 on the CPU, then cast and moved: the same numbers for every dtype and
@@ -81,7 +81,8 @@ class GPT(nn.Module):
             self.embed = bmt.DistributedParameter(embed)
             self.pos = bmt.DistributedParameter(pos)
             self.gate = bmt.DistributedParameter(gate)
-            blocks = [bmt.Block(layer, use_checkpoint=use_checkpoint, zero_level=zero_level) for layer in stack]
+            blocks = [bmt.Block(layer, use_checkpoint=use_checkpoint, zero_level=zero_level,
+                                offload_params=offload_params) for layer in stack]
             self.layers = bmt.TransformerBlockList(blocks, num_hidden=3 if triple else 1)
         else:
             self.embed = nn.Parameter(embed)

@@ -30,7 +30,8 @@ def test_bf16_training_matches_unwrapped_on_two_gpus():
         elif name in TRAINING and (r["loss_max_rel"] > 2e-2 or r["param_max_rel_scale"] > 4 * 2**-7):
             failures.append(f"{name}: loss {r['loss_max_rel']:.3g}, params {r['param_max_rel_scale']:.3g} "
                             f"({r['param_worst']})")
-    for name in ("offload_matches_adam", "offload_in_backward_matches_adam"):
+    for name in ("offload_matches_adam", "offload_in_backward_matches_adam", "offload_params_matches_adam",
+                 "offload_params_in_backward_matches_adam", "offload_half_matches_adam"):
         offload = results[name]
         if "error" in offload:
             failures.append(f"{name}: {offload['error']}")
@@ -38,5 +39,10 @@ def test_bf16_training_matches_unwrapped_on_two_gpus():
             # CPU and CUDA kernels round differently in fp32 (1e-7 per step); bf16 copies may then
             # land one step apart.
             failures.append(f"{name}: {offload}")
+    half = results["offload_half_matches_adam"].get("gpu_state_fraction", 0.0)
+    if not 0.3 <= half <= 0.7:
+        failures.append(f"offload_fraction=0.5 kept {half:.2f} of the state on the GPU")
+    if results["offload_matches_adam"].get("gpu_state_fraction") != 0.0:
+        failures.append("the full offload kept state on the GPU")
     print({name: {k: v for k, v in r.items() if k != "error"} for name, r in results.items()})
     assert not failures, "\n".join(failures)

@@ -256,3 +256,42 @@ def test_gpu_copies_are_ordered_with_the_current_stream(side_stream):
     torch.cuda.synchronize()
     assert torch.equal(state["master"], expected["master"])
     assert torch.equal(seen.cpu(), expected["param"])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_queue_updates_host_shards_after_their_gradient_arrives(dtype):
+    """A queue for a GPU takes host parameters (offloaded shards) whose gradient the current stream is
+    still copying to pinned memory: it must wait for that copy, then update in place; a device update
+    in the same submission is staged as usual."""
+    host = _state(4 << 20, dtype, "cpu", 12)
+    device = _state(3 << 20, torch.bfloat16, "cuda", 13)
+    expected_host, expected_device = _expected(host), _expected(device)
+    queue = ops.OffloadQueue(torch.device("cuda"), dtypes={dtype, torch.bfloat16}, chunk_numel=1 << 20, slots=2)
+    param = host["master"] if dtype == torch.float32 else host["param"].clone()
+    grad = torch.zeros(host["grad"].numel(), dtype=dtype, pin_memory=True)
+    source = host["grad"].cuda()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)  # the gradient reaches the host tens of milliseconds later
+    grad.copy_(source, non_blocking=True)
+    updates = [ops.OffloadUpdate(param, grad, host["master"], host["exp_avg"], host["exp_avg_sq"], HYPER, 0),
+               _update(device, "cuda")]
+    tickets = queue.submit(updates)
+    for ticket in tickets:
+        ticket.wait()
+    torch.cuda.synchronize()
+    assert torch.equal(host["master"], expected_host["master"])
+    assert torch.equal(param, expected_host["param"])
+    _check_equal(device, expected_device)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_host_parameter_with_a_device_gradient_is_refused():
+    state = _state(1000, torch.bfloat16, "cpu", 14)
+    queue = ops.OffloadQueue(torch.device("cuda"), dtypes={torch.bfloat16}, chunk_numel=100, slots=2)
+    update = ops.OffloadUpdate(state["param"], state["grad"].cuda(), state["master"], state["exp_avg"],
+                               state["exp_avg_sq"], HYPER, 0)
+    with pytest.raises(ValueError, match="param and grad must both be there, or both on the CPU"):
+        queue.submit([update])

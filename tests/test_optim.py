@@ -35,6 +35,15 @@ def test_parameters_of_an_unwrapped_copy_are_refused(cls):
         cls(plain.parameters())
 
 
+@pytest.mark.parametrize("fraction, message", [(1.5, r"offload_fraction must be in \[0, 1\], got 1.5"),
+                                               (0.5, "offload_fraction=0.5 keeps optimizer state on the GPU, but no "
+                                                     "parameter is on one")])
+def test_bad_offload_fraction(fraction, message):
+    _, model = wrapped_mlp()
+    with pytest.raises(ValueError, match=message):
+        bmt.optim.AdamOffloadOptimizer(model.parameters(), offload_fraction=fraction)
+
+
 def test_parameters_on_meta_are_refused():
     with torch.device("meta"):
         layer = nn.Linear(2, 2)

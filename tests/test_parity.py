@@ -18,7 +18,8 @@ TRAINING = [
     "zero3_checkpoint", "zero3_no_checkpoint", "zero2_checkpoint", "zero2_no_checkpoint", "accumulate_2",
     "accumulate_2_zero2_no_checkpoint", "frozen_layer", "three_hidden", "optim_manager", "optim_manager_loss_scale",
     "adam_optimizer", "adam_offload_optimizer", "adam_optimizer_manager_scaled", "adam_offload_in_backward",
-    "adam_offload_in_backward_no_checkpoint",
+    "adam_offload_in_backward_no_checkpoint", "offload_params", "offload_params_accumulate_2_zero2",
+    "offload_params_adam_offload_in_backward", "offload_params_adam_offload_scaled",
 ]
 
 

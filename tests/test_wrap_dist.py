@@ -37,3 +37,11 @@ def test_meta_model_then_materialize(results):
     assert r["norm_is_one"] and r["inv_freq_equal"]
     assert abs(r["linear_std"] - 0.02) < 0.004, r["linear_std"]  # LlamaConfig.initializer_range
     assert math.isfinite(r["loss"])
+
+
+def test_offloaded_parameters_train_like_the_unwrapped_model(results):
+    """Shards in host memory, built on meta and loaded, trained with the offload optimizer in backward
+    (on the CPU this runs the gather-in-place and gradient-copy paths; the GPU tests time them)."""
+    world, r = _case(results, "offload_params_training")
+    assert r["params_on_cpu"]
+    assert r["loss_max_rel"] <= 1e-5 and r["param_max_abs"] <= 1e-5, f"world {world}: {r}"

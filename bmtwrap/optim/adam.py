@@ -12,7 +12,7 @@ the update, so unscaling and clipping cost no extra pass over the gradients.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 from torch.autograd.graph import increment_version
@@ -31,9 +31,12 @@ def _check_params(params: List[torch.Tensor], who: str) -> None:
     if not params:
         raise ValueError(f"{who} got an empty parameter list")
     devices = {p.device for p in params}
-    if len(devices) > 1 or next(iter(devices)).type == "meta":
+    # The CPU may join one accelerator: parameters offloaded by wrap(offload_params=True) live there.
+    accelerators = {d for d in devices if d.type != "cpu"}
+    if len(accelerators) > 1 or any(d.type == "meta" for d in devices):
         raise ValueError(f"{who}: parameters are on {sorted(map(str, devices))}; an optimizer takes parameters "
-                         "on one device (the GPU, or the CPU when there is none); materialise meta models first")
+                         "on one device (the GPU, or the CPU when there is none; offloaded parameters on the "
+                         "CPU beside the GPU); materialise meta models first")
     if not is_initialized():
         return
     # Replicated parameters (plain ones outside blocks) are legitimate, so the mistake caught is
@@ -45,6 +48,16 @@ def _check_params(params: List[torch.Tensor], who: str) -> None:
             "build the optimizer from the wrapped model's parameters() after bmtwrap.wrap(model) (or from the "
             "model made of bmtwrap blocks), not from an unwrapped copy"
         )
+
+
+def _update_in_place(p: torch.Tensor, state: Dict[str, Any], hyper: Dict[str, Any]) -> None:
+    """One Adam(W) step of ``p`` by the kernel of its own device, state on the same device."""
+    master = state.get("master", p)
+    out = p if master is not p else None
+    update = ops.adam_step_cuda if p.is_cuda else ops.adam_step_cpu
+    update(master.view(-1), p.grad.detach().reshape(-1), state["exp_avg"].view(-1),
+           state["exp_avg_sq"].view(-1), out=None if out is None else out.view(-1), **hyper)
+    increment_version(p)  # written through a raw pointer: gathered copies are now stale
 
 
 class _AdamBase(torch.optim.Optimizer):
@@ -166,12 +179,7 @@ class AdamOptimizer(_AdamBase):
         """One update; gradients are multiplied by ``grad_scale`` as they are read."""
         loss, work = self._prepare(closure, grad_scale)
         for p, state, hyper in work:
-            master = state.get("master", p)
-            out = p if master is not p else None
-            update = ops.adam_step_cuda if p.is_cuda else ops.adam_step_cpu
-            update(master.view(-1), p.grad.detach().reshape(-1), state["exp_avg"].view(-1),
-                   state["exp_avg_sq"].view(-1), out=None if out is None else out.view(-1), **hyper)
-            increment_version(p)  # written through a raw pointer: gathered copies are now stale
+            _update_in_place(p, state, hyper)
         return loss
 
 
@@ -205,10 +213,17 @@ class AdamOffloadOptimizer(_AdamBase):
             (gradient + parameter bytes)``.
         cpu_threads: threads of the CPU update; default: ``torch.get_num_threads()``, less one when
             the parameters are on a GPU (the training loop's thread keeps a core to launch GPU work).
+        offload_fraction: the share of the parameters (by elements) whose master and moments live
+            on the CPU; the rest keep theirs on the GPU and are updated there by the fused kernel
+            (12 bytes of GPU memory per element). The GPU keeps those the next forward needs
+            first (the parameters outside blocks, then the first blocks): their CPU updates are
+            the last of a step's backward and the first its next forward waits for. Parameters
+            offloaded by ``wrap(offload_params=True)`` are always updated on the CPU.
 
     Raises:
         ValueError, TypeError: as :class:`AdamOptimizer`; ``step_in_backward`` without a
-            distributed context.
+            distributed context; ``offload_fraction`` outside [0, 1], or below 1 with no
+            parameter on a GPU.
 
     Example::
 
@@ -223,9 +238,15 @@ class AdamOffloadOptimizer(_AdamBase):
                  eps: float = 1e-8, weight_decay: float = 0.0, *, decoupled: bool = True,
                  master_dtype: torch.dtype = torch.float32, step_in_backward: bool = False,
                  chunk_numel: int = DEFAULT_CHUNK_NUMEL, staging_slots: int = DEFAULT_SLOTS,
-                 cpu_threads: Optional[int] = None) -> None:
+                 cpu_threads: Optional[int] = None, offload_fraction: float = 1.0) -> None:
+        if not 0.0 <= offload_fraction <= 1.0:
+            raise ValueError(f"AdamOffloadOptimizer: offload_fraction must be in [0, 1], got {offload_fraction!r}")
         super().__init__(params, lr, betas, eps, weight_decay, decoupled, master_dtype, "AdamOffloadOptimizer")
         device = next(p.device for g in self.param_groups for p in g["params"])
+        if device.type == "cpu" and is_initialized():
+            # Parameters offloaded to the host by wrap(offload_params=True) get their gradients from
+            # the GPU: the queue orders its reads after those copies.
+            device = engine().ctx.device
         if cpu_threads is None and device.type == "cuda":
             # Leave a core to the training loop's own thread: starved, it launches GPU work late.
             cpu_threads = max(1, torch.get_num_threads() - 1)
@@ -243,6 +264,7 @@ class AdamOffloadOptimizer(_AdamBase):
                 outside = found is None or found[0].label.startswith(ROOT_LABEL)
                 self._priority[id(p)] = len(self._priority) - (1 << 40 if outside else 0)
                 self._group_of[id(p)] = group
+        self._on_gpu = self._kept_on_gpu(offload_fraction)
         self.step_in_backward = step_in_backward
         if step_in_backward:
             if not is_initialized():
@@ -250,10 +272,31 @@ class AdamOffloadOptimizer(_AdamBase):
                                  "first: the engine tells it when each block's gradient is final")
             engine().listen_for_final_grads(self._grads_final)
 
+    def _kept_on_gpu(self, offload_fraction: float) -> Set[int]:
+        """Ids of the parameters whose state stays on the GPU: first in forward order, up to ``1 -
+        offload_fraction`` of all elements."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        if offload_fraction == 1.0:
+            return set()
+        if not any(p.is_cuda for p in params):
+            raise ValueError(f"AdamOffloadOptimizer: offload_fraction={offload_fraction} keeps optimizer state on "
+                             "the GPU, but no parameter is on one")
+        budget = (1.0 - offload_fraction) * sum(p.numel() for p in params)
+        kept: Set[int] = set()
+        for p in sorted(params, key=lambda q: self._priority[id(q)]):
+            if budget < p.numel() / 2:
+                break
+            if p.is_cuda:
+                kept.add(id(p))
+                budget -= p.numel()
+        return kept
+
     def _state_device(self, param: torch.Tensor) -> torch.device:
-        return torch.device("cpu")
+        return param.device if id(param) in self._on_gpu else torch.device("cpu")
 
     def _new_state(self, p: torch.Tensor) -> Dict[str, Any]:
+        if id(p) in self._on_gpu:
+            return super()._new_state(p)
         state: Dict[str, Any] = {"step": 0, "exp_avg": host_zeros(p.numel()).view(p.shape),
                                  "exp_avg_sq": host_zeros(p.numel()).view(p.shape)}
         if p.dtype != torch.float32 or p.device.type != "cpu":
@@ -261,8 +304,8 @@ class AdamOffloadOptimizer(_AdamBase):
         return state
 
     def _place(self, param: torch.Tensor, name: str, value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
+        if not isinstance(value, torch.Tensor) or id(param) in self._on_gpu:
+            return super()._place(param, name, value)
         return host_zeros(param.numel()).view(param.shape).copy_(value.detach().reshape(param.shape))
 
     def state_dict(self) -> Dict[str, Any]:
@@ -282,11 +325,18 @@ class AdamOffloadOptimizer(_AdamBase):
         Adam kernel, stalled on gradient copies, idle; and the elements updated."""
         return self._offload.stats()
 
-    def _queue(self, work: List[Tuple[torch.Tensor, Dict[str, Any], Dict[str, Any]]]) -> None:
-        """Hand updates to the offload queue; the next gather of each parameter waits for its own."""
+    def _queue(self, work: List[Tuple[torch.Tensor, Dict[str, Any], Dict[str, Any]]],
+               ready_stream: Optional["torch.cuda.Stream"] = None) -> None:
+        """Hand updates to the offload queue (the next gather of each parameter waits for its own), or
+        run them on the GPU now for parameters whose state stays there. The gradients are final once
+        ``ready_stream`` (default: the current one) reaches this point."""
+        for p, state, hyper in work:
+            if id(p) in self._on_gpu:
+                _update_in_place(p, state, hyper)
+        work = [item for item in work if id(item[0]) not in self._on_gpu]
         updates = [ops.OffloadUpdate(p.detach(), p.grad.detach().contiguous(), state.get("master", p).detach(), state["exp_avg"],
                                      state["exp_avg_sq"], hyper, self._priority[id(p)]) for p, state, hyper in work]
-        tickets = self._offload.submit(updates)
+        tickets = self._offload.submit(updates, ready_stream)
         registry = engine().registry if is_initialized() else None
         for (p, _, _), ticket in zip(work, tickets):
             found = registry.lookup(p) if registry is not None else None
@@ -306,7 +356,7 @@ class AdamOffloadOptimizer(_AdamBase):
             if group is None or p.grad is None or p.numel() == 0:
                 continue
             work.append(self._advance(p, group, 1.0))
-        self._queue(work)
+        self._queue(work, buffer.grad_stream)  # an offloaded buffer's gradient is still on its way to the host
         for p, _, _ in work:
             p.grad = None  # handed over: the queue holds it until the update is done
 

@@ -100,10 +100,16 @@ class OptimManager:
 
     def _overflow(self) -> bool:
         ctx = engine().ctx
-        flag = torch.zeros(1, dtype=torch.uint8, device=ctx.device)
+        flags = {ctx.device: torch.zeros(1, dtype=torch.uint8, device=ctx.device)}
         for p in self._params():
             if p.grad is not None and p.grad.numel() > 0:
-                ops.has_inf_nan_into(p.grad.detach().contiguous(), flag)
+                # Gradients of parameters offloaded to the CPU are checked there.
+                grad = p.grad.detach().contiguous()
+                flag = flags.setdefault(grad.device, torch.zeros(1, dtype=torch.uint8, device=grad.device))
+                ops.has_inf_nan_into(grad, flag)
+        flag = flags.pop(ctx.device)
+        for other in flags.values():
+            flag = torch.maximum(flag, other.to(ctx.device))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.group)
         return bool(flag.item())
 

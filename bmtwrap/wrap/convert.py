@@ -46,6 +46,7 @@ class WrapOptions:
     zero_level: int
     reduce_dtype: Optional[torch.dtype]
     memory_budget: Optional[int]
+    offload_params: bool
 
 
 @dataclass(eq=False)
@@ -208,7 +209,7 @@ def _already_wrapped(model: nn.Module, options: WrapOptions) -> Optional[nn.Modu
 
 def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: Checkpoint = True,
          zero_level: Optional[int] = None, reduce_dtype: Optional[torch.dtype] = None,
-         memory_budget: Optional[int] = None) -> nn.Module:
+         memory_budget: Optional[int] = None, offload_params: bool = False) -> nn.Module:
     """Shard ``model`` over all ranks, in place, and return it.
 
     The repeated layers (an ``nn.ModuleList``/``nn.Sequential`` of one class, or what a Hugging
@@ -235,6 +236,13 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
             backward; default: :func:`bmtwrap.init_distributed`'s.
         reduce_dtype: dtype gradients are averaged in; default: each parameter's own.
         memory_budget: bytes per GPU that ``checkpoint="auto"`` may use; default: 90% of the GPU.
+        offload_params: keep every parameter shard, and its gradient, in pinned CPU memory; each
+            gather copies the shard to the GPU first, so the GPU holds parameters only while they
+            are gathered (the root group's for the whole forward and backward). The parameters,
+            their ``.grad`` and a plain optimizer's state are then CPU tensors; pair it with
+            :class:`~bmtwrap.optim.AdamOffloadOptimizer`, which updates them in place on the CPU.
+            Inputs still go to this process's GPU (``torch.cuda.current_device()``), not to the
+            parameters' device (a Hugging Face model's ``model.device`` then says ``cpu``).
 
     Returns:
         ``model`` itself. Calling ``wrap`` again on a wrapped model with the same options is a
@@ -256,9 +264,12 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
     if not isinstance(model, nn.Module):
         raise TypeError(f"wrap expects an nn.Module, got {type(model).__name__}")
     _check_options(checkpoint, zero_level, memory_budget)
+    if not isinstance(offload_params, bool):
+        raise ValueError(f"offload_params must be True or False, got {offload_params!r}")
     ctx = _dist.current() if _dist.is_initialized() else _dist.init_distributed()
     eng = engine(ctx)
-    options = WrapOptions(layers, checkpoint, zero_level or ctx.zero_level, reduce_dtype, memory_budget)
+    options = WrapOptions(layers, checkpoint, zero_level or ctx.zero_level, reduce_dtype, memory_budget,
+                          offload_params)
     if _already_wrapped(model, options) is not None:
         return model
     if any(isinstance(m, Block) for m in model.modules()):
@@ -271,12 +282,13 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
     runners: List[Tuple[nn.Module, BlockRunner]] = []
     for (name, module), block_plan in zip(blocks, the_plan.blocks):
         runner = BlockRunner(module, name, use_checkpoint=bool(block_plan.checkpoint), zero_level=options.zero_level,
-                             reduce_dtype=reduce_dtype, exclude=shared_ids, allow_meta=True)
+                             reduce_dtype=reduce_dtype, exclude=shared_ids, allow_meta=True,
+                             offload_params=options.offload_params)
         _install_forward(module, runner)
         runners.append((module, runner))
     owned = {id(slot.param) for _, runner in runners for slot in runner.group.slots}
     root_group = build_group(ctx, eng.registry, model, ROOT_LABEL, lambda g, p: None, reduce_dtype,
-                             exclude=owned, allow_meta=True)
+                             exclude=owned, allow_meta=True, offload=options.offload_params)
     root = RootRunner(eng, root_group, replicated=[])
     _attach_root(model, root)
     stale = [m for m in model.modules()

@@ -17,7 +17,9 @@
 // output is rewritten only after its previous put has left. Pinned memory is bounded by the slots, whatever
 // the model's size. Parameters kept in fp32 on the GPU are put straight from the master.
 // Without a link (parameters on the host) the kernel updates the master in place and writes the rounded
-// parameter, if it has its own master, straight into it.
+// parameter, if it has its own master, straight into it. So it does for an update marked `on_host` in a queue
+// with a link: parameters offloaded to the host, whose gradients the submitting stream copies there. Such a
+// chunk takes no slot; the worker waits for its `ready` event (which follows the gradient's copy) and runs it.
 //
 // Order: until prioritise() (the user's step()) the newest task whose gradient the device has already
 // computed goes first (the oldest if none has); from then until the queue empties, the lowest priority, which
@@ -104,15 +106,16 @@ void check_update(const OffloadUpdate& u, const DeviceLink* link, int64_t chunk_
                            {"exp_avg", u.exp_avg}, {"exp_avg_sq", u.exp_avg_sq}}) {
     check_buffer((std::string("OffloadQueue.submit(") + name + ")").c_str(), ptr, u.numel);
   }
+  const bool host = link == nullptr || u.on_host;
   const bool own_master = u.master == u.param;
-  if (own_master && (link != nullptr || u.param_dtype != DType::kFloat32)) {
+  if (own_master && (!host || u.param_dtype != DType::kFloat32)) {
     throw std::invalid_argument("OffloadQueue.submit: a parameter can be its own master only on the host and in "
                                 "float32");
   }
-  if (!own_master && link == nullptr && u.param_dtype == DType::kFloat32) {
+  if (!own_master && host && u.param_dtype == DType::kFloat32) {
     throw std::invalid_argument("OffloadQueue.submit: a float32 host parameter must be its own master");
   }
-  if (link != nullptr) {
+  if (!host) {
     const int64_t numel = std::min(u.numel, chunk_numel);
     if (numel * element_bytes(u.grad_dtype) > link->slot_grad_bytes() ||
         (u.param_dtype != DType::kFloat32 && numel * element_bytes(u.param_dtype) > link->slot_out_bytes())) {
@@ -278,7 +281,7 @@ bool OffloadQueue::take(bool block, Chunk* chunk) {
 }
 
 void OffloadQueue::finish(OffloadTask& task) {
-  DeviceLink::Event written = core_->link ? core_->link->mark_puts() : nullptr;
+  DeviceLink::Event written = core_->link && !task.update.on_host ? core_->link->mark_puts() : nullptr;
   {
     std::lock_guard<std::mutex> lock(core_->mutex);
     task.written = std::move(written);
@@ -302,18 +305,22 @@ void OffloadQueue::run() {
   }
 }
 
+void OffloadQueue::adam_in_place(const Chunk& chunk) {
+  const OffloadUpdate& u = chunk.task->update;
+  const bool own_master = u.master == u.param;
+  Timer timer(adam_ns_);
+  adam_cpu(at(u.master, chunk.start, 4), at(u.grad, chunk.start, element_bytes(u.grad_dtype)), u.grad_dtype,
+           at(u.exp_avg, chunk.start, 4), at(u.exp_avg_sq, chunk.start, 4), chunk.end - chunk.start, u.hyper,
+           own_master ? 0 : at(u.param, chunk.start, element_bytes(u.param_dtype)), u.param_dtype, num_threads_,
+           CpuIsa::kBest);
+}
+
 void OffloadQueue::run_host() {
   Chunk chunk;
   while (take(true, &chunk)) {
-    const OffloadUpdate& u = chunk.task->update;
     const int64_t n = chunk.end - chunk.start;
     try {
-      const bool own_master = u.master == u.param;
-      Timer timer(adam_ns_);
-      adam_cpu(at(u.master, chunk.start, 4), at(u.grad, chunk.start, element_bytes(u.grad_dtype)), u.grad_dtype,
-               at(u.exp_avg, chunk.start, 4), at(u.exp_avg_sq, chunk.start, 4), n, u.hyper,
-               own_master ? 0 : at(u.param, chunk.start, element_bytes(u.param_dtype)), u.param_dtype,
-               num_threads_, CpuIsa::kBest);
+      adam_in_place(chunk);
     } catch (const std::exception& error) {
       fail(error.what());
       continue;
@@ -339,15 +346,30 @@ void OffloadQueue::run_device() {
           }
           break;
         }
-        chunk.slot = turn++ % link.num_slots();
-        staged.push_back(chunk);
         const OffloadUpdate& u = chunk.task->update;
-        const int64_t bytes = element_bytes(u.grad_dtype);
-        link.fetch(chunk.slot, at(u.grad, chunk.start, bytes), (chunk.end - chunk.start) * bytes, chunk.task->ready);
+        chunk.slot = u.on_host ? -1 : turn++ % link.num_slots();
+        staged.push_back(chunk);
+        if (!u.on_host) {
+          const int64_t bytes = element_bytes(u.grad_dtype);
+          link.fetch(chunk.slot, at(u.grad, chunk.start, bytes), (chunk.end - chunk.start) * bytes, chunk.task->ready);
+        }
       }
       const Chunk chunk = staged.front();
       const OffloadUpdate& u = chunk.task->update;
       const int64_t n = chunk.end - chunk.start;
+      if (u.on_host) {
+        {
+          Timer timer(stalled_ns_);
+          link.synchronize(chunk.task->ready);  // its gradient's copy to the host was queued before `ready`
+        }
+        adam_in_place(chunk);
+        elements_ += n;
+        staged.pop_front();
+        if ((chunk.task->left -= n) == 0) {
+          finish(*chunk.task);
+        }
+        continue;
+      }
       const bool rounded = u.param_dtype != DType::kFloat32;
       {
         Timer timer(stalled_ns_);

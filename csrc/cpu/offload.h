@@ -30,6 +30,9 @@ struct OffloadUpdate {
   int64_t numel;
   AdamHyper hyper;
   int64_t priority;           // lower first, once the queue is prioritised
+  // param and grad are host memory although the queue has a DeviceLink (parameters offloaded to the host, their
+  // gradients copied there on the submitting stream): updated in place, without staging, once `ready` is reached.
+  bool on_host = false;
 };
 
 // The copies between one GPU and pinned host staging; implemented with CUDA in cuda/offload_link.cu. The
@@ -49,6 +52,7 @@ class DeviceLink {
   virtual Event record(std::uintptr_t stream) = 0;  // an event recorded on a caller's stream now
   virtual void stream_wait(std::uintptr_t stream, const Event& event) = 0;
   virtual bool reached(const Event& event) = 0;
+  virtual void synchronize(const Event& event) = 0;  // the calling thread waits until the event is reached
 
   // The worker thread.
   virtual void bind_thread() = 0;  // make the link's device current
@@ -118,6 +122,7 @@ class OffloadQueue {
   void run_host();
   void run_device();
   struct Chunk;
+  void adam_in_place(const Chunk& chunk);  // a chunk of a host parameter, master and gradient
   bool take(bool block, Chunk* chunk);
   std::deque<std::shared_ptr<OffloadTask>>::iterator newest_ready();  // under the mutex
   void finish(OffloadTask& task);

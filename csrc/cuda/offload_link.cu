@@ -111,6 +111,10 @@ class CudaLink final : public cpu::DeviceLink {
     return true;
   }
 
+  void synchronize(const Event& event) override {
+    check(cudaEventSynchronize(raw(event)), "cudaEventSynchronize (gradient copied to the host)");
+  }
+
   void bind_thread() override { check(cudaSetDevice(device_), "cudaSetDevice"); }
 
   void fetch(int slot, std::uintptr_t src, int64_t bytes, const Event& after) override {

@@ -39,6 +39,9 @@ OPTIMIZERS = {
     # Small chunks and two slots so that the tiny model's parameters still span several chunks.
     "offload_in_backward": lambda params: bmt.optim.AdamOffloadOptimizer(
         params, lr=LR, eps=EPS, weight_decay=0.01, step_in_backward=True, chunk_numel=100, staging_slots=2),
+    # GPU only: the root and the first block keep their state on the GPU.
+    "offload_half_in_backward": lambda params: bmt.optim.AdamOffloadOptimizer(
+        params, lr=LR, eps=EPS, weight_decay=0.01, step_in_backward=True, offload_fraction=0.5),
 }
 
 
@@ -117,15 +120,16 @@ def resume(optimizer: str) -> Dict[str, Any]:
     return {"losses_equal": got == expected, "params_equal": all(torch.equal(a[k], b[k]) for k in a)}
 
 
-def offload_matches_adam(other: str) -> Dict[str, Any]:
+def offload_matches_adam(other: str, offload_params: bool = False) -> Dict[str, Any]:
     """GPU: AdamOffloadOptimizer (CPU kernel, copy streams, a worker thread, gathers waiting on
-    write-backs) against AdamOptimizer (fused CUDA kernel): the same math, so the same training."""
+    write-backs) against AdamOptimizer (fused CUDA kernel): the same math, so the same training.
+    With ``offload_params`` the offloading run keeps its blocks' shards in host memory."""
     rank, world = bmt.rank(), bmt.world_size()
     data = torch.randint(0, 64, (12, 17), generator=torch.Generator().manual_seed(9)).to(DEVICE)
     share = data[rank * (12 // world) : (rank + 1) * (12 // world)]
     results = []
     for name in ("adam", other):
-        _, model = build(DTYPE)
+        _, model = build(DTYPE, offload_params=offload_params and name == other)
         opt = OPTIMIZERS[name](model.parameters())
         losses = []
         for _ in range(STEPS):
@@ -139,8 +143,11 @@ def offload_matches_adam(other: str) -> Dict[str, Any]:
         masters = torch.cat([opt.state[p]["master"].float().cpu().view(-1) for p in model.parameters()
                              if p in opt.state and "master" in opt.state[p]])
         results.append((losses, bmt.full_state_dict(model), masters))
+    on_gpu = [opt.state[p]["exp_avg"].is_cuda for p in model.parameters() if p in opt.state]
+    sizes = [p.numel() for p in model.parameters() if p in opt.state]
     (l1, s1, m1), (l2, s2, m2) = results
-    return {"loss_max_rel": max(abs(a - b) / abs(a) for a, b in zip(l1, l2)),
+    return {"gpu_state_fraction": sum(n for n, g in zip(sizes, on_gpu) if g) / sum(sizes),
+            "loss_max_rel": max(abs(a - b) / abs(a) for a, b in zip(l1, l2)),
             "param_max_abs": max((s1[k].float() - s2[k].float()).abs().max().item() for k in s1),
             "master_max_rel": ((m1 - m2).abs().max() / m1.abs().max()).item()}
 
@@ -217,6 +224,10 @@ CASES = {
     "adam_offload_in_backward": lambda: train(optimizer="offload_in_backward"),
     "adam_offload_in_backward_no_checkpoint": lambda: train(optimizer="offload_in_backward", use_checkpoint=False),
     "adam_optimizer_manager_scaled": lambda: train(optimizer="adam", manager="scaled"),
+    "offload_params": lambda: train(offload_params=True),
+    "offload_params_accumulate_2_zero2": lambda: train(batch=24, micro=2, zero_level=2, offload_params=True),
+    "offload_params_adam_offload_in_backward": lambda: train(optimizer="offload_in_backward", offload_params=True),
+    "offload_params_adam_offload_scaled": lambda: train(optimizer="offload", manager="scaled", offload_params=True),
     "resume_adam": lambda: resume("adam"),
     "resume_offload": lambda: resume("offload"),
     "resume_offload_in_backward": lambda: resume("offload_in_backward"),
@@ -228,10 +239,15 @@ if DTYPE == torch.float32:
     CASES["float64"] = lambda: train(dtype=torch.float64)
 if DEVICE == "cuda":
     # A bf16 reference trained by torch's AdamW keeps no fp32 master, so it is no reference for ours.
-    for name in [n for n in CASES if "adam" in n or "offload" in n]:
+    for name in [n for n in CASES if "adam" in n or ("offload" in n and not n.startswith("offload_params"))]:
         del CASES[name]
     CASES["offload_matches_adam"] = lambda: offload_matches_adam("offload")
     CASES["offload_in_backward_matches_adam"] = lambda: offload_matches_adam("offload_in_backward")
+    # The blocks' shards on the host, the root's on the GPU: one optimizer over both.
+    CASES["offload_params_matches_adam"] = lambda: offload_matches_adam("offload", offload_params=True)
+    CASES["offload_half_matches_adam"] = lambda: offload_matches_adam("offload_half_in_backward")
+    CASES["offload_params_in_backward_matches_adam"] = lambda: offload_matches_adam("offload_in_backward",
+                                                                                    offload_params=True)
 
 if __name__ == "__main__":
     run(CASES)

@@ -86,5 +86,38 @@ def meta_then_materialize() -> Dict[str, Any]:
     }
 
 
+def offload_params_training() -> Dict[str, Any]:
+    """wrap(offload_params=True) of a model built on meta, loaded, then trained 5 steps with the offload
+    optimizer stepping in backward, against the unwrapped model and torch's AdamW."""
+    ref = reference()
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
+    bmt.wrap(model, offload_params=True)
+    bmt.load_state_dict(model, ref.state_dict())
+    hyper = dict(lr=1e-3, eps=1e-6, weight_decay=0.01)
+    opt_ref = torch.optim.AdamW(ref.parameters(), **hyper)
+    opt = bmt.optim.AdamOffloadOptimizer(model.parameters(), step_in_backward=True, chunk_numel=1000, **hyper)
+    world, rank = bmt.world_size(), bmt.rank()
+    ids = torch.randint(0, 96, (6, 12), generator=torch.Generator().manual_seed(4))
+    share = 6 // world
+    rels = []
+    for _ in range(5):
+        opt_ref.zero_grad()
+        ref_loss = ref(ids, labels=ids).loss
+        ref_loss.backward()
+        opt_ref.step()
+        opt.zero_grad()
+        mine = ids[rank * share : (rank + 1) * share]
+        loss = model(mine, labels=mine).loss
+        loss.backward()
+        opt.step()
+        rels.append(abs(bmt.sum_loss(loss).item() - ref_loss.item()) / ref_loss.item())
+    full, expected = bmt.full_state_dict(model), ref.state_dict()
+    return {"loss_max_rel": max(rels),
+            "param_max_abs": max((full[k] - expected[k]).abs().max().item() for k in expected),
+            "params_on_cpu": all(p.device.type == "cpu" for p in model.parameters())}
+
+
 if __name__ == "__main__":
-    run({"generate": generate, "meta_then_load": meta_then_load, "meta_then_materialize": meta_then_materialize})
+    run({"generate": generate, "meta_then_load": meta_then_load, "meta_then_materialize": meta_then_materialize,
+         "offload_params_training": offload_params_training})
