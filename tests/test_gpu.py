@@ -39,6 +39,10 @@ def test_bf16_training_matches_unwrapped_on_two_gpus():
             # CPU and CUDA kernels round differently in fp32 (1e-7 per step); bf16 copies may then
             # land one step apart.
             failures.append(f"{name}: {offload}")
+    for name in ("resume_offload_params_gpu", "resume_offload_half_gpu"):
+        r = results[name]
+        if "error" in r or not (r["losses_equal"] and r["params_equal"]):
+            failures.append(f"{name}: state_dict -> load_state_dict does not resume bit-exactly: {r}")
     half = results["offload_half_matches_adam"].get("gpu_state_fraction", 0.0)
     if not 0.3 <= half <= 0.7:
         failures.append(f"offload_fraction=0.5 kept {half:.2f} of the state on the GPU")

@@ -87,14 +87,14 @@ def train(*, dtype: torch.dtype = DTYPE, batch: int = 12, micro: int = 1, manage
     return result
 
 
-def resume(optimizer: str) -> Dict[str, Any]:
+def resume(optimizer: str, **kwargs: Any) -> Dict[str, Any]:
     """5 steps, state_dict, a fresh model and optimizer loaded from it, 5 more == 10 straight steps."""
     rank, world = bmt.rank(), bmt.world_size()
     data = torch.randint(0, 64, (12, 17), generator=torch.Generator().manual_seed(8)).to(DEVICE)
     share = data[rank * (12 // world) : (rank + 1) * (12 // world)]
 
     def fresh():
-        _, model = build(DTYPE)
+        _, model = build(DTYPE, **kwargs)
         return model, OPTIMIZERS[optimizer](model.parameters())
 
     def steps(model, opt, n):
@@ -231,6 +231,7 @@ CASES = {
     "resume_adam": lambda: resume("adam"),
     "resume_offload": lambda: resume("offload"),
     "resume_offload_in_backward": lambda: resume("offload_in_backward"),
+    "resume_offload_params": lambda: resume("offload_in_backward", offload_params=True),
     "offload_updates_in_backward": offload_updates_in_backward,
     "hidden_states": hidden_states,
     "eval_no_grad": eval_no_grad,
@@ -245,6 +246,8 @@ if DEVICE == "cuda":
     CASES["offload_in_backward_matches_adam"] = lambda: offload_matches_adam("offload_in_backward")
     # The blocks' shards on the host, the root's on the GPU: one optimizer over both.
     CASES["offload_params_matches_adam"] = lambda: offload_matches_adam("offload", offload_params=True)
+    CASES["resume_offload_params_gpu"] = lambda: resume("offload_in_backward", offload_params=True)
+    CASES["resume_offload_half_gpu"] = lambda: resume("offload_half_in_backward")
     CASES["offload_half_matches_adam"] = lambda: offload_matches_adam("offload_half_in_backward")
     CASES["offload_params_in_backward_matches_adam"] = lambda: offload_matches_adam("offload_in_backward",
                                                                                     offload_params=True)
