@@ -129,7 +129,8 @@ def main() -> None:
         system="bmtwrap", size=args.size, world=ctx.world_size, batch=args.batch, seq=args.seq, params=params,
         activation_checkpointing=args.checkpoint, zero_level=args.zero_level, optimizer=args.optimizer,
         offload_threads=args.offload_threads, offload_fraction=args.offload_fraction,
-        offload_params=args.offload_params, step_s=round(step, 4), tok_s_gpu=round(tokens / step, 1), mfu=round(per_token * tokens / step / PEAK_FLOPS, 4),
+        offload_params=args.offload_params, step_s=round(step, 4), tok_s_gpu=round(tokens / step, 1),
+        mfu=round(per_token * tokens / step / PEAK_FLOPS, 4),
         peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), loss=round(loss.item(), 4),
         host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2), **cpu,
     )), flush=True)

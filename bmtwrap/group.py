@@ -283,7 +283,6 @@ class FlatBuffer:
             else:
                 slot.param.grad.add_(piece)
 
-
     @property
     def grad_stream(self) -> Optional["torch.cuda.Stream"]:
         """The stream a reader of the host gradient must follow (offloaded buffers on CUDA), else ``None``."""

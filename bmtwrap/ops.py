@@ -1030,7 +1030,8 @@ class OffloadQueue:
             self._queue = self._ext.OffloadQueue(index, chunk_numel, slots, chunk_numel * self._itemsize,
                                                  out_bytes, threads)
 
-    def submit(self, updates: list[OffloadUpdate], ready_stream: torch.cuda.Stream | None = None) -> list[OffloadTicket]:
+    def submit(self, updates: list[OffloadUpdate],
+               ready_stream: torch.cuda.Stream | None = None) -> list[OffloadTicket]:
         """Queue ``updates``; returns one ticket per update, in order.
 
         On a GPU the gradients are read once ``ready_stream`` (default: the current stream) has reached

@@ -186,7 +186,6 @@ class Engine:
         self.order.restart()
         self.order.known = True
 
-
     def _wait_host_grads(self) -> None:
         """Gradients of offloaded buffers are read on the host after backward: wait for their copies."""
         buffers, self._host_grads = self._host_grads, {}

@@ -49,7 +49,8 @@ def test_float64_is_exact(results):
     assert r["param_max_abs"] <= 1e-12, f"world {world}: {r['param_worst']} differs by {r['param_max_abs']:.3g}"
 
 
-@pytest.mark.parametrize("name", ["resume_adam", "resume_offload", "resume_offload_in_backward", "resume_offload_params"])
+@pytest.mark.parametrize("name", ["resume_adam", "resume_offload", "resume_offload_in_backward",
+                                  "resume_offload_params"])
 def test_optimizer_state_resumes_bit_exactly(results, name):
     world, r = _case(results, name)
     assert r["losses_equal"] and r["params_equal"], f"world {world}: {r}"

@@ -236,13 +236,12 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
             backward; default: :func:`bmtwrap.init_distributed`'s.
         reduce_dtype: dtype gradients are averaged in; default: each parameter's own.
         memory_budget: bytes per GPU that ``checkpoint="auto"`` may use; default: 90% of the GPU.
-        offload_params: keep every parameter shard, and its gradient, in pinned CPU memory; each
-            gather copies the shard to the GPU first, so the GPU holds parameters only while they
-            are gathered (the root group's for the whole forward and backward). The parameters,
-            their ``.grad`` and a plain optimizer's state are then CPU tensors; pair it with
+        offload_params: keep the blocks' parameter shards, and their gradients, in pinned CPU
+            memory; each gather copies the shard to the GPU first, so the GPU holds a block's
+            parameters only while it is gathered. The root group (gathered for the whole step
+            anyway) stays on the GPU. The blocks' parameters, their ``.grad`` and a plain
+            optimizer's state for them are then CPU tensors; pair it with
             :class:`~bmtwrap.optim.AdamOffloadOptimizer`, which updates them in place on the CPU.
-            Inputs still go to this process's GPU (``torch.cuda.current_device()``), not to the
-            parameters' device (a Hugging Face model's ``model.device`` then says ``cpu``).
 
     Returns:
         ``model`` itself. Calling ``wrap`` again on a wrapped model with the same options is a
@@ -287,8 +286,11 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
         _install_forward(module, runner)
         runners.append((module, runner))
     owned = {id(slot.param) for _, runner in runners for slot in runner.group.slots}
+    # The root group stays on the device even with offload_params: it is gathered for the whole step
+    # anyway, so its shard costs 1/W of it, and Hugging Face's model.device (the first parameter's,
+    # the embedding's) keeps naming the GPU, which generate() puts its tensors on.
     root_group = build_group(ctx, eng.registry, model, ROOT_LABEL, lambda g, p: None, reduce_dtype,
-                             exclude=owned, allow_meta=True, offload=options.offload_params)
+                             exclude=owned, allow_meta=True)
     root = RootRunner(eng, root_group, replicated=[])
     _attach_root(model, root)
     stale = [m for m in model.modules()

@@ -1,8 +1,10 @@
-"""wrap() across ranks: generate() with ranks stopping at different lengths; models built on meta."""
+"""wrap() across ranks: generate() with ranks stopping at different lengths; models built on meta;
+parameters offloaded to the host. Argument 2 (optional): "cpu" (default) or "cuda" (fp32 on GPUs)."""
 
 from __future__ import annotations
 
 import copy
+import sys
 from typing import Any, Dict
 
 import torch
@@ -11,30 +13,31 @@ import transformers
 import bmtwrap as bmt
 from common import run
 
+DEVICE = "cuda" if len(sys.argv) > 2 and sys.argv[2] == "cuda" else "cpu"
 CONFIG = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64)
 
 
 def reference() -> transformers.LlamaForCausalLM:
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).to(DEVICE)
 
 
-def generate() -> Dict[str, Any]:
+def generate(**options: Any) -> Dict[str, Any]:
     """Greedy decoding; rank 0's prompt hits the end token early, the others run to the length limit."""
     ref = reference().eval()
-    model = bmt.wrap(copy.deepcopy(ref)).eval()
+    model = bmt.wrap(copy.deepcopy(ref), **options).eval()
     world, rank = bmt.world_size(), bmt.rank()
-    prompts = torch.randint(3, 96, (world, 5), generator=torch.Generator().manual_seed(1))
+    prompts = torch.randint(3, 96, (world, 5), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     free_run = ref.generate(prompts, max_new_tokens=10, do_sample=False, pad_token_id=0)
     eos = int(free_run[0, 5 + 2])
     kwargs = dict(max_new_tokens=10, do_sample=False, eos_token_id=eos, pad_token_id=0)
     expect = ref.generate(prompts[rank : rank + 1], **kwargs)
     got = model.generate(prompts[rank : rank + 1], **kwargs)
-    lengths = torch.tensor([got.shape[1]])
+    lengths = torch.tensor([got.shape[1]], device=DEVICE)
     every = [torch.zeros_like(lengths) for _ in range(world)]
     torch.distributed.all_gather(every, lengths)
-    same = torch.tensor([int(torch.equal(expect, got))])
+    same = torch.tensor([int(torch.equal(expect, got))], device=DEVICE)
     torch.distributed.all_reduce(same, op=torch.distributed.ReduceOp.MIN)
     return {"lengths": [int(x) for x in every], "all_equal": bool(same.item())}
 
@@ -52,7 +55,7 @@ def meta_then_load() -> Dict[str, Any]:
     bmt.wrap(model)
     bmt.load_state_dict(model, ref.state_dict())
     world, rank = bmt.world_size(), bmt.rank()
-    ids = torch.randint(0, 96, (6, 12), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, 96, (6, 12), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     share = 6 // world
     ref_loss = ref(ids, labels=ids).loss
     ref_loss.backward()
@@ -72,10 +75,10 @@ def meta_then_materialize() -> Dict[str, Any]:
     bmt.materialize(model)
     full = bmt.full_state_dict(model)
     # Every rank must hold pieces of the same values: gather rank 0's view and compare.
-    digest = torch.stack([v.double().sum() for v in full.values()])
+    digest = torch.stack([v.double().sum() for v in full.values()]).to(DEVICE)
     digests = [torch.zeros_like(digest) for _ in range(bmt.world_size())]
     torch.distributed.all_gather(digests, digest)
-    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     loss = model(ids, labels=ids).loss
     return {
         "ranks_agree": all(torch.equal(d, digests[0]) for d in digests),
@@ -98,7 +101,7 @@ def offload_params_training() -> Dict[str, Any]:
     opt_ref = torch.optim.AdamW(ref.parameters(), **hyper)
     opt = bmt.optim.AdamOffloadOptimizer(model.parameters(), step_in_backward=True, chunk_numel=1000, **hyper)
     world, rank = bmt.world_size(), bmt.rank()
-    ids = torch.randint(0, 96, (6, 12), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(0, 96, (6, 12), generator=torch.Generator().manual_seed(4)).to(DEVICE)
     share = 6 // world
     rels = []
     for _ in range(5):
@@ -115,9 +118,12 @@ def offload_params_training() -> Dict[str, Any]:
     full, expected = bmt.full_state_dict(model), ref.state_dict()
     return {"loss_max_rel": max(rels),
             "param_max_abs": max((full[k] - expected[k]).abs().max().item() for k in expected),
-            "params_on_cpu": all(p.device.type == "cpu" for p in model.parameters())}
+            "block_params_on_cpu": all(p.device.type == "cpu" for p in model.model.layers.parameters()),
+            "root_params_on_device": all(p.device.type == DEVICE for n, p in model.named_parameters()
+                                         if ".layers." not in n)}
 
 
 if __name__ == "__main__":
-    run({"generate": generate, "meta_then_load": meta_then_load, "meta_then_materialize": meta_then_materialize,
+    run({"generate": generate, "generate_offloaded": lambda: generate(offload_params=True),
+         "meta_then_load": meta_then_load, "meta_then_materialize": meta_then_materialize,
          "offload_params_training": offload_params_training})
