@@ -44,6 +44,33 @@ def test_bad_offload_fraction(fraction, message):
         bmt.optim.AdamOffloadOptimizer(model.parameters(), offload_fraction=fraction)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cls", [bmt.optim.AdamOptimizer, bmt.optim.AdamOffloadOptimizer])
+def test_parameters_on_the_cpu_beside_the_gpu_are_refused(cls):
+    """Only shards offloaded by wrap(offload_params=True) may sit on the CPU beside GPU parameters."""
+    params = [nn.Parameter(torch.zeros(4, device="cuda")), nn.Parameter(torch.zeros(4))]
+    with pytest.raises(ValueError, match=r"only shards that wrap\(offload_params=True\) keeps on the CPU"):
+        cls(params)
+
+
+def test_only_offloaded_shards_may_sit_on_the_cpu_beside_a_gpu():
+    """The device rule on its own (it reads only each parameter's .device and the shard registry), so that a
+    machine without a GPU checks it too: a stand-in for a GPU parameter beside offloaded shards passes,
+    beside a plain CPU parameter it fails."""
+    from bmtwrap.optim.adam import _check_params
+
+    class OnGPU:
+        device = torch.device("cuda", 0)
+
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4)) for _ in range(2)])
+    bmt.wrap(blocks, offload_params=True)
+    _check_params([OnGPU(), *blocks.parameters()], "test")
+    with pytest.raises(ValueError, match=r"only shards that wrap\(offload_params=True\) keeps on the CPU"):
+        _check_params([OnGPU(), nn.Parameter(torch.zeros(2))], "test")
+
+
 def test_parameters_on_meta_are_refused():
     with torch.device("meta"):
         layer = nn.Linear(2, 2)

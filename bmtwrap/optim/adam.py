@@ -31,23 +31,30 @@ def _check_params(params: List[torch.Tensor], who: str) -> None:
     if not params:
         raise ValueError(f"{who} got an empty parameter list")
     devices = {p.device for p in params}
-    # The CPU may join one accelerator: parameters offloaded by wrap(offload_params=True) live there.
+    # The CPU may join one accelerator only with shards offloaded there by wrap(offload_params=True).
     accelerators = {d for d in devices if d.type != "cpu"}
-    if len(accelerators) > 1 or any(d.type == "meta" for d in devices):
+    registry = engine().registry if is_initialized() else None
+    stray = accelerators and any(p.device.type == "cpu" and not _offloaded(registry, p) for p in params)
+    if len(accelerators) > 1 or stray or any(d.type == "meta" for d in devices):
         raise ValueError(f"{who}: parameters are on {sorted(map(str, devices))}; an optimizer takes parameters "
-                         "on one device (the GPU, or the CPU when there is none; offloaded parameters on the "
-                         "CPU beside the GPU); materialise meta models first")
-    if not is_initialized():
+                         "on one device (the GPU, or the CPU when there is none; beside the GPU, only shards "
+                         "that wrap(offload_params=True) keeps on the CPU); move the model to one device, and "
+                         "materialise meta models, before building the optimizer")
+    if registry is None:
         return
     # Replicated parameters (plain ones outside blocks) are legitimate, so the mistake caught is
     # the whole list coming from an unwrapped copy while a sharded model exists.
-    registry = engine().registry
     if registry.any_sharded() and not any(registry.is_sharded(p) for p in params):
         raise ValueError(
             f"{who}: none of the {len(params)} parameters is sharded by bmtwrap, but a sharded model exists; "
             "build the optimizer from the wrapped model's parameters() after bmtwrap.wrap(model) (or from the "
             "model made of bmtwrap blocks), not from an unwrapped copy"
         )
+
+
+def _offloaded(registry: Any, param: torch.Tensor) -> bool:
+    found = registry.lookup(param) if registry is not None else None
+    return found is not None and found[0].offloaded
 
 
 def _update_in_place(p: torch.Tensor, state: Dict[str, Any], hyper: Dict[str, Any]) -> None:
