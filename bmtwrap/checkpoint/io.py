@@ -6,6 +6,12 @@ disk, and then renamed over its final name (``os.replace`` is atomic within one 
 A crash, a kill or a full disk at any point leaves either the previous file or the new one, never
 a torn mix; the temporary file of a failed write is removed when the failure is seen, and one
 left by a killed process is ignored by loaders (hidden name, never referenced by an index).
+
+[Note: file modes]
+Some writers create their file readable by its owner alone (safetensors opens with mode 0600), so
+a checkpoint would be unreadable by another user or an inference service while ``config.json``
+beside it is not. Before the rename, the file gets the mode any file the user creates gets:
+``0666`` less the process's umask, as ``open()`` would give.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Any, Iterator, Union
 
 import torch
 
-__all__ = ["atomic_file", "fsync_dir", "read_flat_range", "temporary_name"]
+__all__ = ["atomic_file", "default_file_mode", "fsync_dir", "read_flat_range", "temporary_name"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -27,6 +33,25 @@ PathLike = Union[str, "os.PathLike[str]"]
 def temporary_name(path: Path) -> Path:
     """A hidden sibling of ``path`` that no other writer picks."""
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _umask() -> int:
+    # Linux reports the umask without changing it; elsewhere it can only be read by setting it.
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def default_file_mode() -> int:
+    """The mode ``open(path, "w")`` gives a new file: ``0o666`` less the umask (see [Note: file modes])."""
+    return 0o666 & ~_umask()
 
 
 def fsync_dir(directory: Path) -> None:
@@ -62,6 +87,7 @@ def atomic_file(path: PathLike) -> Iterator[Path]:
         yield tmp
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
+        os.chmod(tmp, default_file_mode())
         os.replace(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)
