@@ -12,7 +12,7 @@ and their gradients are averaged over ranks as they arrive, as DDP does.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -192,14 +192,28 @@ def init_parameters(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def full_state_dict(model: nn.Module, *, with_buffers: bool = True) -> Dict[str, torch.Tensor]:
+def full_state_dict(model: nn.Module, *, with_buffers: bool = True,
+                    select: Optional[Callable[[str], bool]] = None) -> Dict[str, torch.Tensor]:
     """The model's state dict with every sharded parameter gathered to its full shape.
 
     A collective: every rank must call it; every rank gets the whole result. Keys are the
     unwrapped model's (a :class:`Block` adds no ``_module.`` level).
+
+    Args:
+        model: a model sharded by bmtwrap (or any module: unsharded tensors are copied).
+        with_buffers: include buffers as well as parameters.
+        select: keep only the keys for which it returns ``True``; only the flat buffers holding
+            such keys are gathered (e.g. the trainable adapters of a frozen model, without
+            gathering the model). Every rank must pass the same selection.
+
+    Example::
+
+        adapters = bmt.full_state_dict(model, select=lambda key: "lora_" in key)
     """
     eng = engine()
     entries = model.state_dict(keep_vars=True)
+    if select is not None:
+        entries = {name: value for name, value in entries.items() if select(name)}
     # Each flat buffer is gathered once for all of its parameters (in the same order on every rank).
     by_buffer: Dict[int, Tuple[FlatBuffer, List[Tuple[str, int]]]] = {}
     for name, value in entries.items():

@@ -7,7 +7,7 @@ support for another library is another adapter.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 from torch import nn
 
@@ -19,6 +19,11 @@ class ModelAdapter:
 
     def prepare(self, model: nn.Module) -> None:
         """Called once before sharding; may register hooks on the model."""
+
+    def entry_points(self, model: nn.Module) -> List[nn.Module]:
+        """The modules whose forward may start a step: the model, and any model inside it that its
+        methods call directly. The root group is gathered around the outermost of these calls."""
+        return [model]
 
     def initializer(self, model: nn.Module) -> Callable[[nn.Module], None]:
         """A function that initialises one module's own parameters and buffers in place."""
@@ -67,6 +72,10 @@ class HFAdapter(ModelAdapter):
         model._is_fsdp_managed_module = True
         if "use_cache" in inspect.signature(hf.forward).parameters:
             hf.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
+
+    def entry_points(self, model: nn.Module) -> List[nn.Module]:
+        # A wrapper (peft) runs generate() on the transformers model inside it, which calls its own forward.
+        return [model] if self.hf is model else [model, self.hf]
 
     def initializer(self, model: nn.Module) -> Callable[[nn.Module], None]:
         owners: Dict[int, nn.Module] = {}

@@ -9,7 +9,8 @@
   rank's piece. So an optimizer built after ``wrap`` sees the shards, and one built before but not
   yet stepped sees them too.
 - The model gets a forward pre-hook and post-hook that gather the root group (everything outside
-  blocks) for the duration of its forward.
+  blocks) for the duration of its forward; so does a model inside it whose forward a wrapper's
+  methods call directly (the adapter's ``entry_points``).
 - Buffers move to this process's device.
 - ``load_state_dict`` accepts the unwrapped model's full tensors as well as pieces.
 """
@@ -78,13 +79,22 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
     """What :func:`wrap` would do to ``model``, without doing it (no collectives, no allocation).
 
     Args:
+        model: the model :func:`wrap` would get; it may be on the meta device.
         world_size: ranks to plan for; default: the current world size, or 1 before
             :func:`bmtwrap.init_distributed`.
-        layers, checkpoint: as for :func:`wrap`.
-        batch_size, seq_len: a batch shape, for the activation estimate.
+        layers: as for :func:`wrap`.
+        checkpoint: as for :func:`wrap`; ``"auto"`` is planned as every block checkpointed,
+            since ``wrap`` decides only in the first training step.
+        batch_size: the batch size each rank runs, for the activation estimate (with ``seq_len``).
+        seq_len: the sequence length, for the activation estimate (with ``batch_size``).
 
     Returns:
         A :class:`~bmtwrap.wrap.plan.WrapPlan`; ``print(plan)`` shows it as a table.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``; ``layers`` is neither classes nor a callable.
+        ValueError: a bad ``checkpoint``; ``world_size < 1``; a class in ``layers`` that the model
+            does not have.
 
     Example::
 
@@ -174,15 +184,26 @@ def _install_forward(module: nn.Module, runner: BlockRunner) -> None:
     module.forward = forward
 
 
-def _attach_root(model: nn.Module, root: RootRunner) -> None:
-    def enter(module: nn.Module, args: Tuple[Any, ...]) -> None:
-        root.enter()
+def _attach_root(model: nn.Module, root: RootRunner, entry_points: List[nn.Module]) -> None:
+    """Gather the root group around the forward of each entry point, the outermost call only.
 
-    def leave(module: nn.Module, args: Any, output: Any) -> None:
-        root.exit()
+    A wrapper's own methods may call the model inside it directly (peft's ``generate`` calls the
+    Hugging Face model's), so each entry point enters the root; a nested call finds it entered and
+    leaves it to the call that did.
+    """
+    for module in entry_points:
+        entered: List[bool] = []  # per call on this module, innermost last: whether it entered the root
 
-    model.register_forward_pre_hook(enter)
-    model.register_forward_hook(leave, always_call=True)
+        def enter(module: nn.Module, args: Tuple[Any, ...], entered: List[bool] = entered) -> None:
+            entered.append(True)  # stays True if enter() raises: leave() then cleans up what it began
+            entered[-1] = root.enter()
+
+        def leave(module: nn.Module, args: Any, output: Any, entered: List[bool] = entered) -> None:
+            if entered.pop():
+                root.exit()
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave, always_call=True)
     model.register_load_state_dict_pre_hook(shard_full_tensors)
 
 
@@ -292,7 +313,7 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
     root_group = build_group(ctx, eng.registry, model, ROOT_LABEL, lambda g, p: None, reduce_dtype,
                              exclude=owned, allow_meta=True)
     root = RootRunner(eng, root_group, replicated=[])
-    _attach_root(model, root)
+    _attach_root(model, root, adapter.entry_points(model))
     stale = [m for m in model.modules()
              if any(b is not None and b.is_meta and n in m._non_persistent_buffers_set for n, b in m._buffers.items())]
     _move_buffers(model, ctx.device)
