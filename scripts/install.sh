@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
 # Install what bmtwrap needs into the current Python, then build bmtwrap from this checkout (editable).
 #
-#   bash scripts/install.sh [REQUIREMENT ...]     e.g.  bash scripts/install.sh pytest transformers safetensors
+#   bash scripts/install.sh [EXTRA ...]     e.g.  bash scripts/install.sh examples      (extras: pyproject.toml)
 #
-# Only what is missing is installed, so this also works offline where everything is already there:
-#   - torch: an importable torch is kept exactly as it is (never upgraded or replaced); otherwise the version
-#     pinned in constraints.txt is installed. Every pip call is constrained to that torch, so no dependency
-#     can pull in another one.
-#   - pybind11 and setuptools (the build needs them; it runs without build isolation, against this torch).
-#   - the extra requirements given as arguments.
-# Then `pip install --no-build-isolation --no-deps -e .` compiles bmtwrap._C (CUDA kernels too if nvcc exists).
+# - Requirements come from the package's own metadata (pyproject.toml: dependencies, the extras named, the
+#   build requirements), so nothing is listed twice.
+# - A package already installed is kept exactly as it is (never upgraded or replaced: an installed torch
+#   stays, CUDA build or not); a missing one gets the version constraints.txt pins (torch: the CPU build).
+# - The extension is compiled only when its sources, the build script or the Python changed since the last
+#   build from this checkout (a stamp under build/), or when it does not import.
 # The Python used is $PYTHON, else `python`, else `python3` (a virtual environment's, when one is active).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -21,62 +20,24 @@ if [[ -z "$PYTHON" ]]; then
 fi
 echo "install.sh: using $("$PYTHON" -c 'import sys; print(sys.executable, sys.version.split()[0])')"
 
-# Which of the requirements are missing? Prints one requirement per line.
-missing() {
-    "$PYTHON" - "$@" <<'PY'
-import importlib.metadata as md
-import importlib.util
-import re
-import sys
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+# requirements.txt: what pyproject.toml asks for; constraints.txt: installed versions, else the pins.
+"$PYTHON" scripts/requirements.py --out "$work" "$@"
+"$PYTHON" -m pip install -q -c "$work/constraints.txt" -r "$work/requirements.txt"
 
-
-def version(dist):
-    try:
-        return tuple(int(x) for x in re.findall(r"\d+", md.version(dist))[:3])
-    except md.PackageNotFoundError:
-        return None
-
-
-for req in sys.argv[1:]:
-    name, _, minimum = req.partition(">=")
-    have = version(name)
-    if name == "setuptools":
-        # Editable wheels need setuptools >= 70.1, or an older one (>= 64) together with `wheel`.
-        ok = have is not None and (have >= (70, 1) or (have >= (64,) and importlib.util.find_spec("wheel")))
-        if not ok:
-            print("setuptools>=70.1")
-        continue
-    wanted = tuple(int(x) for x in minimum.split(".")) if minimum else ()
-    if importlib.util.find_spec(name.replace("-", "_")) is None or (have is not None and have < wanted):
-        print(req)
-PY
-}
-
-constraints="$(mktemp)"
-trap 'rm -f "$constraints"' EXIT
-if "$PYTHON" -c "import torch" 2>/dev/null; then
-    installed="$("$PYTHON" -c "import torch; print(torch.__version__)")"
-    echo "install.sh: keeping the installed torch $installed"
-    echo "torch==$installed" > "$constraints"
-    to_install=()
+stamp=build/install.stamp
+wanted="$("$PYTHON" scripts/requirements.py --stamp)"
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$wanted" ]] \
+        && "$PYTHON" -c "import bmtwrap._C, os, sys; sys.exit(not bmtwrap.__file__.startswith(os.getcwd()))" 2>/dev/null; then
+    echo "install.sh: bmtwrap._C is up to date with csrc/ (no rebuild)"
 else
-    cp constraints.txt "$constraints"
-    to_install=(torch)
+    # --no-deps: the requirements are settled above; pip must not resolve torch again (it could replace it).
+    # --no-build-isolation: build against the torch and pybind11 installed here.
+    "$PYTHON" -m pip install -q --no-build-isolation --no-deps -e .
+    mkdir -p build
+    echo "$wanted" > "$stamp"
 fi
-absent="$(missing "pybind11>=2.12" setuptools "$@")"
-if [[ -n "$absent" ]]; then
-    mapfile -t -O "${#to_install[@]}" to_install <<< "$absent"
-fi
-
-if ((${#to_install[@]})); then
-    echo "install.sh: installing ${to_install[*]}"
-    "$PYTHON" -m pip install -c "$constraints" "${to_install[@]}"
-else
-    echo "install.sh: every requirement is installed already"
-fi
-
-# --no-deps: the dependencies are settled above; pip must not resolve torch again (it could replace it).
-"$PYTHON" -m pip install --no-build-isolation --no-deps -e .
 "$PYTHON" -c "from bmtwrap import ops; import bmtwrap; print('install.sh: bmtwrap', bmtwrap.__version__, \
 'with compiled kernels' if ops.extension_available() else 'WITHOUT compiled kernels', \
 '(CUDA kernels built)' if ops.extension_available(cuda=True) else '')"

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Set up this checkout (as scripts/demo.sh does, plus pytest, transformers and safetensors) and run the
-# test suite (testpaths in pyproject.toml). Arguments go to pytest, e.g. `bash scripts/test.sh -k parity`.
+# Install bmtwrap with its test requirements (scripts/install.sh test) and run the test suite (testpaths
+# in pyproject.toml). Arguments go to pytest, e.g. `bash scripts/test.sh -k parity`.
 # Exits non-zero when a test fails, and also when no test was collected.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 PYTHON="${PYTHON:-$(command -v python || command -v python3)}"
 export PYTHON
-bash scripts/install.sh pytest transformers safetensors
+bash scripts/install.sh test
 
 # The multi-process tests start their workers with OMP_NUM_THREADS=1 themselves; the pytest process keeps
 # torch's default (one thread per core) unless the caller sets it.
