@@ -82,6 +82,11 @@ def main() -> None:
     per_token = flops_per_token(config, model, args.seq)
     params = sum(p.numel() for p in model.parameters())
     checkpoint = {"true": True, "false": False, "auto": "auto"}[args.checkpoint]
+    # What bmtwrap.plan predicts for this run, printed beside the measured peak.
+    offloading = args.optimizer.startswith("offload")
+    planned = bmt.plan(model, world_size=ctx.world_size, checkpoint=checkpoint, batch_size=args.batch, seq_len=args.seq,
+                       offload_optimizer=offloading, offload_fraction=args.offload_fraction if offloading else 1.0,
+                       offload_params=args.offload_params).memory
     model = bmt.wrap(model, checkpoint=checkpoint, offload_params=args.offload_params)
     bmt.materialize(model)
     model.train()
@@ -100,7 +105,6 @@ def main() -> None:
                         generator=torch.Generator().manual_seed(ctx.rank)).to(ctx.device)
     torch.cuda.reset_peak_memory_stats()
     times = []
-    offloading = args.optimizer.startswith("offload")
     for i in range(args.warmup + args.steps):
         if i == args.warmup and offloading:
             stats_before = optimizer.offload_stats()
@@ -132,6 +136,7 @@ def main() -> None:
         offload_params=args.offload_params, step_s=round(step, 4), tok_s_gpu=round(tokens / step, 1),
         mfu=round(per_token * tokens / step / PEAK_FLOPS, 4),
         peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), loss=round(loss.item(), 4),
+        plan_gib=round(planned.total / 2**30, 2), plan_host_gib=round(planned.host / 2**30, 2),
         host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2), **cpu,
     )), flush=True)
     torch.distributed.destroy_process_group()

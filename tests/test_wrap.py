@@ -144,9 +144,36 @@ def test_plan_lists_blocks_and_memory():
     assert plan.rule == "repeated layers"
     total = sum(p.numel() for p in tiny_llama().parameters())
     assert plan.root.params + sum(b.params for b in plan.blocks) == total
-    assert plan.memory.params == -(-total * 4 // 4)  # fp32, divided over 4 ranks
+    # fp32 over 4 ranks: a quarter, plus at most 64 bytes of alignment per parameter and per shard
+    count = sum(1 for _ in tiny_llama().parameters())
+    assert total <= plan.memory.params <= total + 64 * (count + 3)
     text = str(plan)
     assert "model.layers.1" in text and "LlamaDecoderLayer" in text and "activations" in text
+    assert "host memory per rank:     0.00 GiB" in text
+
+
+def test_plan_with_offload_moves_state_to_the_host():
+    on_gpu = bmt.plan(tiny_llama(), world_size=2)
+    offload = bmt.plan(tiny_llama(), world_size=2, offload_optimizer=True)
+    both = bmt.plan(tiny_llama(), world_size=2, offload_optimizer=True, offload_params=True)
+    assert offload.memory.optimizer == 0
+    assert dict(offload.memory.host_detail)["optimizer state"] == on_gpu.memory.optimizer
+    assert dict(offload.memory.host_detail)["pinned staging"] > 0
+    root_shards = offload.root.shard_bytes
+    assert both.memory.params == root_shards and both.memory.grads == root_shards  # blocks' shards on the host
+    assert dict(both.memory.host_detail)["parameters and gradients"] >= 2 * sum(b.shard_bytes for b in both.blocks)
+    half = bmt.plan(tiny_llama(), world_size=2, offload_optimizer=True, offload_fraction=0.5)
+    assert 0 < half.memory.optimizer < on_gpu.memory.optimizer
+    with pytest.raises(ValueError, match="offload_fraction must be in \\[0, 1\\], got 1.5"):
+        bmt.plan(tiny_llama(), offload_fraction=1.5)
+
+
+def test_plan_activations_follow_the_batch_and_the_vocabulary():
+    small = bmt.plan(tiny_llama(), world_size=1, batch_size=2, seq_len=16).memory.activations
+    large = bmt.plan(tiny_llama(), world_size=1, batch_size=4, seq_len=16).memory.activations
+    assert large == 2 * small
+    vocab = tiny_llama().config.vocab_size
+    assert small >= 12 * 2 * 16 * vocab  # the fp32 cross-entropy's backward over the logits
 
 
 def test_plan_command(tmp_path):
@@ -160,6 +187,28 @@ def test_plan_command(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "bmtwrap", "plan", str(tmp_path / "nowhere")],
                              capture_output=True, text=True)
     assert missing.returncode != 0 and "no such file or folder" in missing.stderr
+
+
+def test_plan_command_options(tmp_path, capsys):
+    from bmtwrap.__main__ import main
+
+    tiny_llama().config.save_pretrained(tmp_path)
+    main(["plan", str(tmp_path), "--world-size", "4", "--ranks-per-host", "2", "--offload", "--offload-params",
+          "--checkpoint", "false", "--batch-size", "2", "--seq-len", "16", "--dtype", "bfloat16"])
+    out = capsys.readouterr().out
+    assert "offloaded to the host: optimizer state (100%), block parameters" in out
+    assert "GPU memory per rank (estimate)" in out and "host memory per host (2 rank(s))" in out
+    assert "ckpt" in out and " no" in out.splitlines()[3]
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--offload-params" in help_text and "--batch-size" in help_text
+    assert "``" not in help_text and ":func:" not in help_text, "reStructuredText in --help"
+    for argv, message in ((["--batch-size", "2"], "give --batch-size and --seq-len together"),
+                          (["--offload-fraction", "0.5"], "--offload-fraction applies to --offload"),
+                          (["--world-size", "0"], "--world-size must be >= 1, got 0")):
+        with pytest.raises(SystemExit, match=message):
+            main(["plan", str(tmp_path), *argv])
 
 
 def test_auto_checkpoint_keeps_activations_of_the_blocks_that_fit(monkeypatch):

@@ -46,3 +46,11 @@ def test_offloaded_parameters_train_like_the_unwrapped_model(results):
     world, r = _case(results, "offload_params_training")
     assert r["block_params_on_cpu"] and r["root_params_on_device"]
     assert r["loss_max_rel"] <= 1e-5 and r["param_max_abs"] <= 1e-5, f"world {world}: {r}"
+
+
+def test_plan_bytes_are_exact(results):
+    """Parameters, gradients and Adam state as planned, to the byte, at the rank holding the most."""
+    world, r = _case(results, "plan_is_exact")
+    for name, figures in r.items():
+        assert figures["actual"] == figures["planned"], f"world {world}, {name}: (params, grads, optimizer) {figures}"
+    assert r["offload_fp32"]["state_on_gpu"] == 0, "the offload optimizer's state was planned on the GPU"

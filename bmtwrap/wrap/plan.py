@@ -2,21 +2,75 @@
 
 A plan is computed from the module tree alone (parameter shapes and dtypes), so it works on a
 model built on the meta device, without allocating weights.
+
+[Note: memory estimate]
+Three parts are exact, computed with the engine's own layout (``param.build_layout``): the
+parameter shards (each group's flat buffers, one per (dtype, requires_grad), padded), the gradient
+shards (trainable buffers, in the reduction dtype), and Adam's state (fp32 moments, plus an fp32
+master for 16-bit parameters, over the elements a rank really owns). Ranks own slightly different
+element counts (alignment gaps, the tail padding): the plan reports the largest.
+
+The rest is a model of the peak of a training step of a transformer, which comes at the start of
+backward or while a block recomputes:
+- gathered: the root group in full for the whole step plus its full gradient (reduced when
+  backward ends), the two largest blocks (the running one and the prefetched one) and one block's
+  full gradient before its reduce-scatter;
+- activations: each checkpointed block keeps its input, ``tokens x hidden`` values; an
+  un-checkpointed block keeps what its layer saves (``LAYER_SAVED`` values per token);
+- transient, the larger of (a) the cross-entropy of a causal LM head: transformers computes it in
+  fp32 (``logits.float()``) through log-softmax, whose backward holds the saved log-probabilities,
+  their gradient and the logits' gradient at once, 12 bytes per token and vocabulary entry (the
+  16-bit logits are freed after forward when only the loss is kept), and (b) one block's
+  recomputation and backward, ``LAYER_SAVED`` values plus ``LAYER_FP32`` fp32 values per token,
+  twice (its activations and their gradients).
+Offload moves state to the host: ``AdamOffloadOptimizer`` keeps the moments and master of the
+offloaded share there (pageable, exact) plus a pinned staging ring; ``offload_params`` keeps the
+blocks' shards and their gradients in pinned memory, which CUDA's host allocator rounds up to a
+power of two per buffer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Set, Tuple, Union
+from typing import Dict, Iterator, List, NamedTuple, Optional, Set, Tuple, Union
 
 import torch
 from torch import nn
 
+from ..param import build_layout
 from .detect import LayerPolicy, find_blocks
 
-__all__ = ["GroupPlan", "MemoryEstimate", "WrapPlan", "make_plan"]
+__all__ = ["GroupPlan", "MemoryEstimate", "OffloadOptions", "WrapPlan", "make_plan"]
 
 Checkpoint = Union[bool, str]
+
+# Values per token that one transformer layer saves for backward (16-bit), in units of the
+# hidden size h and the MLP width i: norm outputs, q/k/v, attention output and its projection,
+# residuals (~10 h), and the MLP's gate, up, activation and product (4 i).
+LAYER_SAVED_H, LAYER_SAVED_I = 10, 4
+# fp32 values per token a layer's norms keep (input and output upcast, two norms), in units of h.
+LAYER_FP32_H = 4
+# Cross-entropy bytes per token and vocabulary entry at the peak of the loss's backward (see the Note).
+LOSS_BYTES = 12
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    """What is offloaded to the host, for the estimate.
+
+    Attributes:
+        optimizer: the optimizer is :class:`~bmtwrap.optim.AdamOffloadOptimizer`.
+        fraction: its ``offload_fraction``: the share of the parameters whose state is on the host.
+        params: ``wrap(offload_params=True)``: the blocks' shards and gradients in pinned memory.
+        chunk_numel: elements per staging chunk of the offload optimizer.
+        staging_slots: staging chunks in flight.
+    """
+
+    optimizer: bool = False
+    fraction: float = 1.0
+    params: bool = False
+    chunk_numel: int = 16 * 1024 * 1024
+    staging_slots: int = 4
 
 
 @dataclass(frozen=True)
@@ -30,6 +84,8 @@ class GroupPlan:
         trainable: parameters with ``requires_grad``.
         bytes: parameter bytes, unsharded.
         checkpoint: activation checkpointing (``None`` for the root, which is never checkpointed).
+        padded_bytes: bytes of its flat buffers gathered in full (padding included).
+        shard_bytes: bytes of this rank's shards of its flat buffers.
     """
 
     name: str
@@ -38,22 +94,26 @@ class GroupPlan:
     trainable: int
     bytes: int
     checkpoint: Optional[bool]
+    padded_bytes: int = 0
+    shard_bytes: int = 0
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per rank at the peak of a training step (estimates; ``activations`` needs a batch shape).
+    """Bytes per rank at the peak of a training step (see [Note: memory estimate] in this module).
 
     Attributes:
-        params: this rank's shards of every parameter.
-        grads: this rank's shards of the gradients (trainable parameters only).
-        optimizer: Adam(W) state for this rank's trainable shards: two moments, plus an fp32 master
-            copy when the parameters are not fp32.
-        gathered: full copies alive at once: the root, the two largest blocks (the running one and
-            the prefetched one), and the gradient buffer of the largest block.
-        activations: saved activations, or ``None`` when no batch shape was given. Uses 34 bytes per
-            token and hidden unit for a layer kept whole (16-bit, fused attention) and the hidden
-            state alone for a checkpointed layer.
+        params: this rank's parameter shards kept on the GPU (exact).
+        grads: this rank's gradient shards on the GPU (exact).
+        optimizer: Adam(W) state on the GPU: fp32 moments, plus an fp32 master for 16-bit
+            parameters, for the shards whose state is not offloaded (exact).
+        gathered: full copies alive at the peak: the root and its gradient, the two largest
+            blocks, one block's gradient before its reduction.
+        activations: saved activations plus the largest transient (a block's recomputation or
+            the LM head's loss), or ``None`` when no batch shape was given.
+        host: CPU memory of this rank: offloaded optimizer state (exact), pinned staging,
+            offloaded shards and gradients.
+        host_detail: ``host`` by part, for the printout.
     """
 
     params: int
@@ -61,27 +121,46 @@ class MemoryEstimate:
     optimizer: int
     gathered: int
     activations: Optional[int]
+    host: int = 0
+    host_detail: Tuple[Tuple[str, int], ...] = ()
 
     @property
     def total(self) -> int:
+        """GPU bytes: every part above but ``host``."""
         return self.params + self.grads + self.optimizer + self.gathered + (self.activations or 0)
 
 
 @dataclass(frozen=True)
 class WrapPlan:
-    """The groups :func:`bmtwrap.wrap` makes, in module order, and a per-rank memory estimate."""
+    """The groups :func:`bmtwrap.wrap` makes, in module order, and a per-rank memory estimate.
+
+    Attributes:
+        model: the model's class name.
+        world_size: ranks planned for.
+        rule: how blocks were found: "repeated layers", "classes", "policy", "size".
+        blocks: the blocks, in module order.
+        root: the root group (everything outside blocks).
+        shared: parameters used by several blocks or outside their block: kept in the root.
+        checkpoint: the activation checkpointing option.
+        memory: the per-rank estimate.
+        offload: what the estimate assumes is offloaded.
+        ranks_per_host: ranks sharing one host's memory, for the per-host figure.
+    """
 
     model: str
     world_size: int
-    rule: str  # how blocks were found: "repeated layers", "classes", "policy", "size"
+    rule: str
     blocks: Tuple[GroupPlan, ...]
     root: GroupPlan
-    shared: Tuple[str, ...]  # parameters used by several blocks or outside their block: kept in the root
+    shared: Tuple[str, ...]
     checkpoint: Checkpoint
     memory: MemoryEstimate
+    offload: OffloadOptions = OffloadOptions()
+    ranks_per_host: int = 1
 
     @property
     def block_names(self) -> List[str]:
+        """Qualified names of the blocks, in module order."""
         return [b.name for b in self.blocks]
 
     def __str__(self) -> str:
@@ -97,16 +176,53 @@ class WrapPlan:
             lines.append(f"  {label:<44} {g.cls:<28} {g.params:>14,} {g.bytes / 2**20:>9.1f} MiB  {ckpt}")
         if self.shared:
             lines.append(f"  kept in the root because shared: {', '.join(self.shared)}")
-        m = self.memory
-        lines.append("  memory per rank (estimate):")
+        m, o = self.memory, self.offload
+        offloaded = [f"optimizer state ({o.fraction:.0%})" if o.optimizer else "", "block parameters" if o.params else ""]
+        lines.append(f"  offloaded to the host: {', '.join(x for x in offloaded if x) or 'nothing'}")
+        lines.append("  GPU memory per rank (estimate):")
         lines.append(f"    parameters {gib(m.params)}   gradients {gib(m.grads)}   optimizer {gib(m.optimizer)}")
         act = gib(m.activations) if m.activations is not None else "   (give batch_size and seq_len)"
         lines.append(f"    gathered   {gib(m.gathered)}   activations {act}")
         lines.append(f"    total      {gib(m.total)}")
+        detail = ", ".join(f"{name} {size / 2**30:.2f} GiB" for name, size in m.host_detail if size)
+        lines.append(f"  host memory per rank: {gib(m.host)}" + (f"   ({detail})" if detail else ""))
+        lines.append(f"  host memory per host ({self.ranks_per_host} rank(s)): {gib(m.host * self.ranks_per_host)}")
         return "\n".join(lines)
 
 
-def _group_plan(name: str, module: nn.Module, params: List[nn.Parameter], checkpoint: Optional[bool]) -> GroupPlan:
+# --- the layout arithmetic, as the engine does it ----------------------------------------------
+
+
+class _Buffer(NamedTuple):
+    """One flat buffer a group would get: its parameters (in order), dtype and layout."""
+
+    params: List[nn.Parameter]
+    dtype: torch.dtype
+    requires_grad: bool
+    shard_size: int
+    padded_total: int
+    owned: Tuple[Tuple[int, ...], ...]  # per rank: the element count of each parameter's piece
+
+
+def _buffers(params: List[nn.Parameter], world_size: int) -> List[_Buffer]:
+    """The flat buffers ``group.build_group`` makes of ``params``: one per (dtype, requires_grad)."""
+    by_kind: Dict[Tuple[torch.dtype, bool], List[nn.Parameter]] = {}
+    for p in params:
+        by_kind.setdefault((p.dtype, p.requires_grad), []).append(p)
+    out = []
+    for (dtype, requires_grad), members in by_kind.items():
+        layout = build_layout([p.numel() for p in members], world_size, _itemsize(dtype))
+        owned = tuple(tuple(layout.piece(i, r).numel for i in range(len(members))) for r in range(world_size))
+        out.append(_Buffer(members, dtype, requires_grad, layout.shard_size, layout.padded_total, owned))
+    return out
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _group_plan(name: str, module: nn.Module, params: List[nn.Parameter], checkpoint: Optional[bool],
+                buffers: List[_Buffer]) -> GroupPlan:
     return GroupPlan(
         name=name,
         cls=type(module).__name__,
@@ -114,6 +230,8 @@ def _group_plan(name: str, module: nn.Module, params: List[nn.Parameter], checkp
         trainable=sum(p.numel() for p in params if p.requires_grad),
         bytes=sum(p.numel() * p.element_size() for p in params),
         checkpoint=checkpoint,
+        padded_bytes=sum(b.padded_total * _itemsize(b.dtype) for b in buffers),
+        shard_bytes=sum(b.shard_size * _itemsize(b.dtype) for b in buffers),
     )
 
 
@@ -130,54 +248,151 @@ def shared_parameters(model: nn.Module, blocks: List[Tuple[str, nn.Module]]) -> 
     return shared_ids, names
 
 
-def _hidden_size(model: nn.Module) -> Optional[int]:
+def _text_config(model: nn.Module) -> object:
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
         config = config.get_text_config()
-    for attr in ("hidden_size", "d_model", "n_embd", "dim"):
+    return config
+
+
+def _config_int(model: nn.Module, *names: str) -> Optional[int]:
+    config = _text_config(model)
+    for attr in names:
         value = getattr(config, attr, None)
         if isinstance(value, int):
             return value
     return None
 
 
+def _vocab_size(model: nn.Module) -> Optional[int]:
+    """Rows of the output embedding (the logits' width) of a language model, else ``None``."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    weight = getattr(head, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+
+
+# --- the estimate ------------------------------------------------------------------------------
+
+
+def _pinned(nbytes: int) -> int:
+    """CUDA's caching host allocator rounds each pinned block up to a power of two."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
+def _adam_bytes(dtype: torch.dtype) -> int:
+    return 8 if dtype == torch.float32 else 12  # two fp32 moments, plus an fp32 master for 16-bit parameters
+
+
+class _Groups(NamedTuple):
+    root: List[_Buffer]
+    blocks: List[List[_Buffer]]
+
+    def in_forward_order(self) -> Iterator[Tuple[bool, _Buffer]]:
+        """(is a block's, buffer), the root first: the order the offload optimizer keeps state on the GPU."""
+        yield from ((False, b) for b in self.root)
+        yield from ((True, b) for group in self.blocks for b in group)
+
+
+def _state_on_gpu(groups: _Groups, offload: OffloadOptions, rank: int) -> Set[Tuple[int, int]]:
+    """(buffer id, parameter index) whose optimizer state stays on the GPU, as AdamOffloadOptimizer picks them."""
+    if not offload.optimizer:
+        return {(id(b), i) for _, b in groups.in_forward_order() if b.requires_grad for i in range(len(b.params))}
+    if offload.fraction == 1.0:
+        return set()
+    pieces = [(in_block, b, i, b.owned[rank][i]) for in_block, b in groups.in_forward_order() if b.requires_grad
+              for i in range(len(b.params))]
+    budget = (1.0 - offload.fraction) * sum(n for *_, n in pieces)
+    kept = set()
+    for in_block, buffer, index, numel in pieces:
+        if budget < numel / 2:
+            break
+        if not (in_block and offload.params):  # offloaded shards are always updated on the host
+            kept.add((id(buffer), index))
+            budget -= numel
+    return kept
+
+
+def _rank_bytes(groups: _Groups, offload: OffloadOptions, rank: int) -> Dict[str, int]:
+    """The exact parts of one rank's memory."""
+    on_gpu = _state_on_gpu(groups, offload, rank)
+    out = {"params": 0, "grads": 0, "optimizer": 0, "host_state": 0, "host_params": 0}
+    for in_block, buffer in groups.in_forward_order():
+        shard = buffer.shard_size * _itemsize(buffer.dtype)
+        on_host = in_block and offload.params
+        if on_host:
+            # The shard, and (trainable) the gradient shard copied to the host, both pinned.
+            out["host_params"] += _pinned(shard) * (2 if buffer.requires_grad else 1)
+        else:
+            out["params"] += shard
+            out["grads"] += shard if buffer.requires_grad else 0
+        if not buffer.requires_grad:
+            continue
+        for index, numel in enumerate(buffer.owned[rank]):
+            where = "optimizer" if (id(buffer), index) in on_gpu else "host_state"
+            out[where] += numel * _adam_bytes(buffer.dtype)
+    return out
+
+
+def _activations(model: nn.Module, blocks: List[GroupPlan], block_dtype: torch.dtype, batch_size: Optional[int],
+                 seq_len: Optional[int]) -> Optional[int]:
+    hidden = _config_int(model, "hidden_size", "d_model", "n_embd", "dim")
+    if batch_size is None or seq_len is None or hidden is None or not blocks:
+        return None
+    inner = _config_int(model, "intermediate_size", "ffn_dim", "d_ff", "n_inner") or 4 * hidden
+    tokens = batch_size * seq_len
+    size = _itemsize(block_dtype)
+    layer = tokens * (size * (LAYER_SAVED_H * hidden + LAYER_SAVED_I * inner) + 4 * LAYER_FP32_H * hidden)
+    saved = sum(tokens * hidden * size if b.checkpoint else layer for b in blocks)
+    vocab = _vocab_size(model)
+    loss = LOSS_BYTES * tokens * vocab if vocab else 0
+    return saved + max(2 * layer, loss)
+
+
 def make_plan(model: nn.Module, world_size: int, *, layers: Optional[LayerPolicy] = None,
-              checkpoint: Checkpoint = True, batch_size: Optional[int] = None,
-              seq_len: Optional[int] = None) -> Tuple[WrapPlan, List[Tuple[str, nn.Module]], Set[int]]:
+              checkpoint: Checkpoint = True, batch_size: Optional[int] = None, seq_len: Optional[int] = None,
+              offload: OffloadOptions = OffloadOptions(),
+              ranks_per_host: Optional[int] = None) -> Tuple[WrapPlan, List[Tuple[str, nn.Module]], Set[int]]:
     """The plan, the block modules it names, and the ids of the parameters kept in the root."""
     blocks, rule = find_blocks(model, layers)
     shared_ids, shared_names = shared_parameters(model, blocks)
     per_block_ckpt = checkpoint if isinstance(checkpoint, bool) else True
-    block_plans = []
+    block_plans, block_buffers = [], []
     owned: Set[int] = set()
     for name, module in blocks:
         params = [p for p in module.parameters() if id(p) not in shared_ids]
         owned.update(id(p) for p in params)
-        block_plans.append(_group_plan(name, module, params, per_block_ckpt))
+        buffers = _buffers(params, world_size)
+        block_buffers.append(buffers)
+        block_plans.append(_group_plan(name, module, params, per_block_ckpt, buffers))
     root_params = [p for p in model.parameters() if id(p) not in owned]
-    root = _group_plan("", model, root_params, None)
+    root_buffers = _buffers(root_params, world_size)
+    root = _group_plan("", model, root_params, None, root_buffers)
+    groups = _Groups(root_buffers, block_buffers)
 
-    every = list(model.parameters())
-    total_bytes = sum(p.numel() * p.element_size() for p in every)
-    trainable = [p for p in every if p.requires_grad]
-    grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
-    state_bytes = sum(p.numel() * (8 if p.dtype == torch.float32 else 12) for p in trainable)
-    largest = sorted((b.bytes for b in block_plans), reverse=True)
-    gathered = root.bytes + sum(largest[:2]) + (largest[0] if largest else 0)
-    activations = None
-    hidden = _hidden_size(model)
-    if batch_size is not None and seq_len is not None and hidden is not None and block_plans:
-        tokens = batch_size * seq_len
-        whole = 34 * tokens * hidden
-        kept = sum(whole if not b.checkpoint else 2 * tokens * hidden for b in block_plans)
-        activations = kept + (whole if per_block_ckpt else 0)
+    ranks = [_rank_bytes(groups, offload, r) for r in range(world_size)]
+    exact = {key: max(r[key] for r in ranks) for key in ranks[0]}
+    root_grad = sum(b.padded_total * _itemsize(b.dtype) for b in root_buffers if b.requires_grad)
+    largest = sorted((b.padded_bytes for b in block_plans), reverse=True)
+    largest_grad = max((sum(b.padded_total * _itemsize(b.dtype) for b in bufs if b.requires_grad)
+                        for bufs in block_buffers), default=0)
+    gathered = root.padded_bytes + root_grad + sum(largest[:2]) + largest_grad
+    block_dtype = next((b.dtype for bufs in block_buffers for b in bufs), torch.float32)
+    staging = 0
+    if offload.optimizer:
+        grad_size = max((_itemsize(b.dtype) for _, b in groups.in_forward_order()), default=4)
+        staging = _pinned(offload.chunk_numel * 2 * grad_size) * offload.staging_slots  # a gradient and a parameter
+    host_detail = (("optimizer state", exact["host_state"]), ("pinned staging", staging),
+                   ("parameters and gradients", exact["host_params"]))
     memory = MemoryEstimate(
-        params=-(-total_bytes // world_size),
-        grads=-(-grad_bytes // world_size),
-        optimizer=-(-state_bytes // world_size),
+        params=exact["params"],
+        grads=exact["grads"],
+        optimizer=exact["optimizer"],
         gathered=gathered,
-        activations=activations,
+        activations=_activations(model, block_plans, block_dtype, batch_size, seq_len),
+        host=sum(size for _, size in host_detail),
+        host_detail=host_detail,
     )
     plan = WrapPlan(type(model).__name__, world_size, rule, tuple(block_plans), root, tuple(shared_names),
-                    checkpoint, memory)
+                    checkpoint, memory, offload, ranks_per_host or min(world_size, 8))
     return plan, blocks, shared_ids

@@ -123,7 +123,45 @@ def offload_params_training() -> Dict[str, Any]:
                                          if ".layers." not in n)}
 
 
+def _storage_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one shard count once)."""
+    seen: Dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def plan_is_exact() -> Dict[str, Any]:
+    """The plan's parameter, gradient and optimizer bytes against what the wrapped model really holds.
+
+    A bf16 Llama with a frozen embedding and a frozen first-layer projection (groups with a frozen and a
+    trainable buffer); then an fp32 model with the offload optimizer (state on the host).
+    """
+    out: Dict[str, Any] = {}
+    for name, optimizer, dtype in (("adam_bf16", bmt.optim.AdamOptimizer, torch.bfloat16),
+                                   ("offload_fp32", bmt.optim.AdamOffloadOptimizer, torch.float32)):
+        model = reference().to(dtype)
+        model.model.embed_tokens.weight.requires_grad_(False)
+        model.model.layers[0].self_attn.q_proj.weight.requires_grad_(False)
+        planned = bmt.plan(model, world_size=bmt.world_size(), offload_optimizer=optimizer is bmt.optim.AdamOffloadOptimizer)
+        bmt.wrap(model)
+        opt = optimizer(p for p in model.parameters() if p.requires_grad)
+        ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(bmt.rank()))
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        state = [v for entry in opt.state.values() for v in entry.values()]
+        actual = torch.tensor([_storage_bytes(model.parameters()), _storage_bytes(p.grad for p in model.parameters()),
+                               _storage_bytes(state)])
+        torch.distributed.all_reduce(actual, op=torch.distributed.ReduceOp.MAX)
+        state_planned = planned.memory.optimizer + dict(planned.memory.host_detail)["optimizer state"]
+        out[name] = {"actual": actual.tolist(),
+                     "planned": [planned.memory.params, planned.memory.grads, state_planned],
+                     "state_on_gpu": planned.memory.optimizer}
+    return out
+
+
 if __name__ == "__main__":
     run({"generate": generate, "generate_offloaded": lambda: generate(offload_params=True),
          "meta_then_load": meta_then_load, "meta_then_materialize": meta_then_materialize,
-         "offload_params_training": offload_params_training})
+         "offload_params_training": offload_params_training, "plan_is_exact": plan_is_exact})
