@@ -33,7 +33,7 @@ from ..module import RootRunner
 from ..schedule import engine
 from .adapters import ModelAdapter, adapter_for
 from .detect import LayerPolicy
-from .plan import Checkpoint, WrapPlan, make_plan
+from .plan import Checkpoint, OffloadOptions, WrapPlan, make_plan
 
 __all__ = ["materialize", "plan", "wrap"]
 
@@ -75,8 +75,14 @@ def _check_options(checkpoint: Checkpoint, zero_level: Optional[int], memory_bud
 
 
 def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional[LayerPolicy] = None,
-         checkpoint: Checkpoint = True, batch_size: Optional[int] = None, seq_len: Optional[int] = None) -> WrapPlan:
+         checkpoint: Checkpoint = True, batch_size: Optional[int] = None, seq_len: Optional[int] = None,
+         offload_optimizer: bool = False, offload_fraction: float = 1.0, offload_params: bool = False,
+         ranks_per_host: Optional[int] = None) -> WrapPlan:
     """What :func:`wrap` would do to ``model``, without doing it (no collectives, no allocation).
+
+    The memory estimate is per rank, on the GPU and on the host; its parameter, gradient and
+    optimizer bytes are exact for Adam(W) (bmtwrap's or torch's), the rest is a model of a
+    transformer's peak (see [Note: memory estimate] in ``bmtwrap/wrap/plan.py``).
 
     Args:
         model: the model :func:`wrap` would get; it may be on the meta device.
@@ -87,6 +93,12 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
             since ``wrap`` decides only in the first training step.
         batch_size: the batch size each rank runs, for the activation estimate (with ``seq_len``).
         seq_len: the sequence length, for the activation estimate (with ``batch_size``).
+        offload_optimizer: plan for :class:`~bmtwrap.optim.AdamOffloadOptimizer` (optimizer state
+            on the host) instead of :class:`~bmtwrap.optim.AdamOptimizer`.
+        offload_fraction: the offload optimizer's ``offload_fraction``.
+        offload_params: as for :func:`wrap`.
+        ranks_per_host: ranks sharing one host, for the per-host memory; default:
+            ``min(world_size, 8)``.
 
     Returns:
         A :class:`~bmtwrap.wrap.plan.WrapPlan`; ``print(plan)`` shows it as a table.
@@ -109,8 +121,13 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
         world_size = _dist.current().world_size if _dist.is_initialized() else 1
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0.0 <= offload_fraction <= 1.0:
+        raise ValueError(f"offload_fraction must be in [0, 1], got {offload_fraction!r}")
+    if ranks_per_host is not None and ranks_per_host < 1:
+        raise ValueError(f"ranks_per_host must be >= 1, got {ranks_per_host!r}")
+    offload = OffloadOptions(optimizer=offload_optimizer, fraction=offload_fraction, params=offload_params)
     return make_plan(model, world_size, layers=layers, checkpoint=checkpoint, batch_size=batch_size,
-                     seq_len=seq_len)[0]
+                     seq_len=seq_len, offload=offload, ranks_per_host=ranks_per_host)[0]
 
 
 class AutoCheckpoint:
@@ -295,7 +312,8 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
     if any(isinstance(m, Block) for m in model.modules()):
         raise ValueError("this model already contains bmtwrap Blocks; wrap a plain model, or use the Blocks as they are")
 
-    the_plan, blocks, shared_ids = make_plan(model, ctx.world_size, layers=layers, checkpoint=checkpoint)
+    the_plan, blocks, shared_ids = make_plan(model, ctx.world_size, layers=layers, checkpoint=checkpoint,
+                                             offload=OffloadOptions(params=offload_params))
     adapter = adapter_for(model)
     adapter.prepare(model)
 
