@@ -311,18 +311,20 @@ def check_loss(model: nn.Module, ids: torch.Tensor) -> float:
     return loss
 
 
-def reload_without_bmtwrap(folder: Path, args: argparse.Namespace, ids: torch.Tensor) -> Tuple[str, float]:
-    """Load the export with plain transformers (and peft for an adapter) on the CPU: its sample and check loss."""
+def reload_without_bmtwrap(folder: Path, args: argparse.Namespace, ids: torch.Tensor, dtype: torch.dtype,
+                           device: torch.device) -> Tuple[str, float]:
+    """Load the export with plain transformers (and peft for an adapter): its sample and check loss."""
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     if args.lora:
         import peft
 
-        model = peft.AutoPeftModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        model = peft.AutoPeftModelForCausalLM.from_pretrained(folder, dtype=dtype)
     else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    prompt = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    model, ids = model.to(device), ids.to(device)
+    prompt = tokenizer(args.prompt, return_tensors="pt")["input_ids"].to(device)
     out = model.eval().generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
                                 max_new_tokens=args.sample_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     with torch.no_grad():
@@ -399,6 +401,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     log = open(args.out / "log.jsonl", "a" if args.resume else "w") if ctx.rank == 0 else None
     bar = make_bar(start, last, ctx.rank)
     tokens_per_step = args.batch * args.seq * args.grad_accum * ctx.world_size
+    throughput: List[float] = []
     window = time.perf_counter()
     for step in range(start + 1, last + 1):
         scheduler.step(step)  # warmup 1/W, 2/W, ... then the cosine: step 1 already learns
@@ -420,6 +423,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                   "grad_norm": None if grad_norm is None else grad_norm.item(),
                   "tokens_s": tokens_per_step / (now - window), "mem_gib": memory_gib(device)}
         window = now
+        throughput.append(record["tokens_s"])
         if log is not None:
             log.write(json.dumps(record) + "\n")
             log.flush()
@@ -434,6 +438,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         log.close()
     say(f"checkpoint of step {last} in {args.out / 'checkpoint'}")
     summary["last_step"] = last
+    timed = sorted(throughput[2:] or throughput)  # the first steps include one-time set-up
+    summary["tokens_s_median"] = timed[len(timed) // 2] if timed else None
+    summary["peak_mem_gib"] = round(memory_gib(device), 2)
+    say(f"throughput {summary['tokens_s_median'] or 0:,.0f} tokens/s (median, all processes), "
+        f"peak memory {summary['peak_mem_gib']} GiB per process ({'GPU' if device.type == 'cuda' else 'CPU RSS'})")
     if last < args.steps:
         say(f"stopped at step {last} of {args.steps} (--stop-at); continue with --resume")
         finish(summary, args, started, ctx.rank)
@@ -448,7 +457,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     folder = export(model, tokenizer, args)
     say(f"exported to {folder} ({'a peft adapter' if args.lora else 'a folder transformers loads'})")
     if ctx.rank == 0:
-        summary["reloaded_sample"], summary["reloaded_check_loss"] = reload_without_bmtwrap(folder, args, probe)
+        summary["reloaded_sample"], summary["reloaded_check_loss"] = reload_without_bmtwrap(folder, args, probe, dtype,
+                                                                                            device)
         same = summary["reloaded_sample"] == summary["sample"]
         say(f"reloaded without bmtwrap: {'the same' if same else 'ANOTHER'} sample, loss {summary['reloaded_check_loss']:.5f} "
             f"on a held-out batch (the sharded model's: {summary['check_loss']:.5f})")
