@@ -14,6 +14,7 @@ from .param import DistributedParameter
 from .wrap import WrapPlan, materialize, plan, wrap
 
 BMTrainModelWrapper = wrap
+"""BMTrain's name of :func:`wrap` (the same function)."""
 
 __version__ = "0.1.0"
 

@@ -326,10 +326,13 @@ class Block(nn.Module):
 
     @property
     def runner(self) -> BlockRunner:
+        """The engine's side of this block: its parameter group, checkpointing and prefetch links."""
         return self._runner
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Gather the parameters, run the inner module with every argument, return what it returns."""
         return self._runner.run(self._module, args, kwargs)
 
 
 CheckpointBlock = Block
+"""BMTrain's other name of :class:`Block` (the same class)."""

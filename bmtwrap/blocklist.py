@@ -78,6 +78,23 @@ class TransformerBlockList(nn.Module):
         return self._modules[str(index)]
 
     def forward(self, *args: Any, return_hidden_states: bool = False, **kwargs: Any) -> Any:
+        """Call the blocks in sequence, threading the hidden states through them.
+
+        Args:
+            *args: the ``num_hidden`` hidden states, then arguments every block gets unchanged.
+            return_hidden_states: also return the inputs of every block (BMTrain's layout).
+            **kwargs: passed to every block unchanged.
+
+        Returns:
+            The last block's hidden state (``num_hidden == 1``) or a tuple of its ``num_hidden``
+            hidden states. With ``return_hidden_states=True``: a tuple of everything the last block
+            returned followed by, for each hidden state, the inputs of every block stacked on a
+            new first dimension.
+
+        Raises:
+            ValueError: fewer positional arguments than ``num_hidden``; a block returning fewer
+                than ``num_hidden`` values.
+        """
         n = self.num_hidden
         if len(args) < n:
             raise ValueError(f"TransformerBlockList(num_hidden={n}) needs at least {n} positional arguments, got {len(args)}")

@@ -80,6 +80,7 @@ class DistContext:
 
     @property
     def backend(self) -> str:
+        """The backend of :attr:`group`: ``"nccl"`` or ``"gloo"``."""
         return dist.get_backend(self.group)
 
 
@@ -160,14 +161,18 @@ def init_distributed(
         init_method: passed to ``torch.distributed.init_process_group`` under a launcher.
         backend: ``"nccl"`` or ``"gloo"``; default: NCCL if CUDA is available, else gloo.
         timeout: collective timeout, passed through.
-        pipe_size, tp_size, num_micro_batches: accepted for BMTrain compatibility; pipeline and
-            tensor parallelism are not supported.
+        pipe_size: BMTrain's pipeline size, accepted for compatibility; above 1 raises
+            ``NotImplementedError`` (there is no pipeline parallelism).
+        tp_size: BMTrain's tensor-parallel size, accepted for compatibility; above 1 raises
+            ``NotImplementedError`` (there is no tensor parallelism).
+        num_micro_batches: BMTrain's pipeline option, accepted for compatibility and ignored.
 
     Returns:
         The process's :class:`DistContext`.
 
     Raises:
-        ValueError: ``zero_level`` not 2 or 3, or an unknown backend.
+        ValueError: ``zero_level`` not 2 or 3; an unknown backend; ``backend="nccl"`` without CUDA.
+        RuntimeError: ``LOCAL_RANK`` names a GPU this process cannot see (more processes than GPUs).
         NotImplementedError: ``pipe_size > 1`` or ``tp_size > 1``.
 
     Example::

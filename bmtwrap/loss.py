@@ -91,6 +91,18 @@ class FusedCrossEntropy(nn.Module):
         self.inplace = inplace
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The loss of ``logits`` against the class indices ``target``.
+
+        Args:
+            logits: (..., V) scores, fp32, bf16 or fp16.
+            target: class indices with the shape of ``logits`` without its last dimension.
+
+        Returns:
+            An fp32 scalar ("mean", "sum"), or a loss per row with the shape of ``target`` ("none").
+
+        Raises:
+            ValueError: ``target``'s shape is not ``logits``' without the last dimension.
+        """
         if logits.shape[:-1] != target.shape:
             raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree: the target "
                              "needs the logits' shape without the last (vocabulary) dimension")

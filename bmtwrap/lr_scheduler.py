@@ -54,18 +54,26 @@ class WarmupLRScheduler:
         self.step(num_iter)
 
     def get_lr_warmup(self, num_iter: int) -> float:
+        """The rate at iteration ``num_iter`` of warmup (here a line from 0 to ``start_lr``)."""
         return self.start_lr * num_iter / self.warmup_iter
 
     def get_lr_decay(self, num_iter: int) -> float:
+        """The rate at iteration ``num_iter`` after warmup: each schedule defines its own.
+
+        Raises:
+            NotImplementedError: in this base class.
+        """
         raise NotImplementedError
 
     def get_lr(self) -> float:
+        """The rate at the current iteration ``num_iter``: warmup's before ``warmup_iter``, then the decay's."""
         if self.num_iter < self.warmup_iter:
             return self.get_lr_warmup(self.num_iter)
         return self.get_lr_decay(self.num_iter)
 
     @property
     def current_lr(self) -> Optional[float]:
+        """The rate the last :meth:`step` applied (the constructor applies the first)."""
         return self._current_lr
 
     def get_last_lr(self) -> list:
@@ -80,10 +88,12 @@ class WarmupLRScheduler:
             group["lr"] = self._current_lr
 
     def state_dict(self) -> Dict[str, Any]:
+        """What :meth:`load_state_dict` needs to resume: ``start_lr``, ``warmup_iter``, ``end_iter``, ``num_iter``."""
         return {"start_lr": self.start_lr, "warmup_iter": self.warmup_iter, "end_iter": self.end_iter,
                 "num_iter": self.num_iter}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned and apply the rate of the restored iteration."""
         self.start_lr = state["start_lr"]
         self.warmup_iter = state["warmup_iter"]
         self.end_iter = state["end_iter"]
@@ -101,6 +111,7 @@ class Noam(WarmupLRScheduler):
     """The Transformer paper's schedule: warmup to ``start_lr / sqrt(warmup_iter)``, then ``start_lr / sqrt(num_iter)``."""
 
     def get_lr_warmup(self, num_iter: int) -> float:
+        """A line from 0 to ``start_lr / sqrt(warmup_iter)`` over warmup."""
         return self.start_lr / math.sqrt(self.warmup_iter) * num_iter / self.warmup_iter
 
     def get_lr_decay(self, num_iter: int) -> float:

@@ -132,9 +132,11 @@ class DistributedParameter(torch.nn.Parameter):
         requires_grad: whether it is trained.
         init_method: called as ``init_method(full_tensor)`` by :func:`bmtwrap.init_parameters`.
         group: BMTrain's optional name of a parameter group; kept for compatibility.
-        tp_mode, tp_split_dim: BMTrain's tensor-parallel options; only the defaults are supported.
+        tp_mode: BMTrain's tensor-parallel switch; only ``False`` is supported.
+        tp_split_dim: BMTrain's tensor-parallel split dimension; accepted and ignored.
 
     Raises:
+        TypeError: ``data`` is not a tensor.
         RuntimeError: :func:`bmtwrap.init_distributed` was not called.
         NotImplementedError: ``tp_mode=True``.
 
@@ -181,6 +183,7 @@ class DistributedParameter(torch.nn.Parameter):
 
     @property
     def group(self) -> Optional[str]:
+        """The ``group`` name given at construction (``None`` if none); bmtwrap does not use it."""
         return self._group
 
     def __deepcopy__(self, memo: dict) -> "DistributedParameter":

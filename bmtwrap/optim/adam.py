@@ -86,6 +86,13 @@ class _AdamBase(torch.optim.Optimizer):
     # Loading keeps fp32 state fp32: torch's Optimizer.load_state_dict would cast it to each
     # parameter's dtype, rounding the master copy of a bf16 model to bf16.
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore what ``state_dict()`` returned; master copies and moments stay fp32.
+
+        Raises:
+            ValueError: a different number of parameter groups or parameters, or state of another
+                size than its parameter (saved at another world size: load it through
+                :func:`bmtwrap.load_checkpoint`, which reshards).
+        """
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"{self._who}: the state has {len(groups)} parameter groups, this optimizer "
@@ -162,7 +169,10 @@ class AdamOptimizer(_AdamBase):
 
     Args:
         params: parameters (or groups) of a wrapped model.
-        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+        lr: learning rate, as ``torch.optim.AdamW``.
+        betas: coefficients of the running averages of the gradient and its square.
+        eps: added to the denominator.
+        weight_decay: weight decay coefficient.
         decoupled: weight decay as AdamW (default) or as L2 added to the gradient (Adam).
         master_dtype: must be ``torch.float32``; any other raises ``TypeError``.
 
@@ -212,7 +222,13 @@ class AdamOffloadOptimizer(_AdamBase):
     updated parameters is ``None`` after backward.
 
     Args:
-        params, lr, betas, eps, weight_decay, decoupled, master_dtype: as :class:`AdamOptimizer`.
+        params: as :class:`AdamOptimizer`.
+        lr: as :class:`AdamOptimizer`.
+        betas: as :class:`AdamOptimizer`.
+        eps: as :class:`AdamOptimizer`.
+        weight_decay: as :class:`AdamOptimizer`.
+        decoupled: as :class:`AdamOptimizer`.
+        master_dtype: as :class:`AdamOptimizer`.
         step_in_backward: start each block's update during backward (see above); needs a
             distributed context (``bmtwrap.init_distributed()``).
         chunk_numel: elements per pipelined chunk.
@@ -316,10 +332,12 @@ class AdamOffloadOptimizer(_AdamBase):
         return host_zeros(param.numel()).view(param.shape).copy_(value.detach().reshape(param.shape))
 
     def state_dict(self) -> Dict[str, Any]:
+        """This rank's optimizer state, once every queued update is done (see :meth:`wait`)."""
         self.wait()
         return super().state_dict()
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Wait for the queued updates, then load as :class:`AdamOptimizer` does (state stays fp32)."""
         self.wait()
         super().load_state_dict(state_dict)
 
@@ -369,6 +387,23 @@ class AdamOffloadOptimizer(_AdamBase):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scale: float = 1.0) -> Any:
+        """Queue the update of every parameter that has a gradient, and return without waiting for it.
+
+        Without ``step_in_backward`` it first waits for the previous step's updates; with it, the
+        blocks were updated during backward, and this queues the rest. The next forward waits, per
+        block, for the parameters it gathers. On a machine without a GPU it waits for the updates
+        before returning, as there is nothing to overlap them with.
+
+        Args:
+            closure: re-evaluates the model and returns the loss, as for any torch optimizer.
+            grad_scale: gradients are multiplied by it as they are read.
+
+        Returns:
+            The closure's loss, or ``None``.
+
+        Raises:
+            ValueError: ``grad_scale`` other than 1 with ``step_in_backward=True``.
+        """
         if self.step_in_backward and grad_scale != 1.0:
             raise ValueError("AdamOffloadOptimizer(step_in_backward=True) updated the blocks during backward "
                              f"with the gradients as they were; it cannot apply grad_scale={grad_scale} (loss "
