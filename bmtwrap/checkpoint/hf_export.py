@@ -27,8 +27,8 @@ from torch import nn
 
 from .. import dist as _dist
 from ..group import FlatBuffer, ShardState
-from .hf_keys import (INDEX_NAME, WEIGHTS_NAME, PathLike, _conversions, _Entry, _entries, _FullShapes, _Group,
-                      _hf_model, _split)
+from .hf_keys import (INDEX_NAME, WEIGHTS_NAME, PathLike, _apply_converters, _apply_renamings, _conversions, _Entry,
+                      _entries, _FullShapes, _Group, _hf_model, _split)
 from .io import atomic_file, fsync_dir, temporary_name
 
 __all__ = ["save_pretrained"]
@@ -68,22 +68,22 @@ class _SavePlan(NamedTuple):
 
 def _plan_save(hf: nn.Module, entries: Dict[str, _Entry], keys: List[str]) -> _SavePlan:
     """Group the model keys by reverse conversion, order them by gather, and dry-run them on meta."""
-    from transformers.core_model_loading import apply_converters, apply_renamings, dot_natural_key
+    from transformers.core_model_loading import dot_natural_key
 
     reverse = [t.reverse_transform() for t in _conversions(hf, for_save=True)[::-1]]
     renamings, converters, by_pattern = _split(reverse)
     groups: Dict[str, _Group] = {}
     for key in sorted(keys, key=dot_natural_key):
-        renamed, pattern = apply_converters(key, converters)
+        renamed, pattern = _apply_converters(key, converters)
         if pattern is None:  # a converter's outputs are renamed after it runs (see _Group.run)
-            renamed = apply_renamings(key, renamings)
+            renamed = _apply_renamings(key, renamings)
         group = groups.setdefault(renamed, _Group(renamed, by_pattern[pattern] if pattern else None))
         if pattern is None and group.sources:
             raise ValueError(f"'{group.sources[0][1]}' and '{key}' would both be saved as '{renamed}'")
         group.sources.append((renamed, key, pattern or key))
 
     of_key = {src: group for group in groups.values() for _, src, _ in group.sources}
-    rename = functools.partial(apply_renamings, weight_renamings=renamings)
+    rename = functools.partial(_apply_renamings, renamings=renamings)
     view = _FullShapes(hf, entries)
     meta = lambda k: torch.empty(entries[k].shape, dtype=entries[k].value.dtype, device="meta")
     steps: List[_Step] = []

@@ -8,7 +8,7 @@ Transformers 5 renames keys and fuses weights on load (``block_sparse_moe`` → 
 tensor per expert → one 3-D parameter, ``LayerNorm.gamma`` → ``weight``), and reverts that on
 save. We do not repeat those rules: ``transformers.conversion_mapping`` gives the model's
 ``WeightRenaming``/``WeightConverter`` list and ``transformers.core_model_loading`` applies it to
-names (``rename_source_key``, ``apply_converters``, ``apply_renamings``; the base-model prefix is
+names (its ``rename_source_key`` function and each transform's method of that name; the base-model prefix is
 added or stripped there too). A plain rename is streamed by row ranges (see [Note: streaming an
 HF folder into shards] in ``hf``); a converted target (a fused tensor) reads its source tensors
 whole, runs the converter's own operations on them, and keeps this rank's slice, so its cost is
@@ -133,6 +133,26 @@ def _conversions(hf: nn.Module, *, for_save: bool) -> List[Any]:
     # Built from scratch: the model's own mapping, without legacy renames or prefix changes (as
     # transformers' revert_weight_conversion does).
     return [c for c in get_model_conversion_mapping(hf, add_legacy=False) if not isinstance(c, PrefixChange)]
+
+
+def _apply_converters(key: str, converters: List[Any]) -> Tuple[str, Optional[str]]:
+    """``key`` renamed by the first converter matching it, and that converter's source pattern (or ``None``).
+
+    Transformers has these two loops as ``apply_converters``/``apply_renamings`` only from 5.23;
+    every transformers 5 has each transform's ``rename_source_key``, which they are made of.
+    """
+    for converter in converters:
+        renamed, pattern = converter.rename_source_key(key)
+        if pattern is not None:
+            return renamed, pattern
+    return key, None
+
+
+def _apply_renamings(key: str, renamings: List[Any]) -> str:
+    """``key`` renamed by every renaming in turn."""
+    for renaming in renamings:
+        key, _ = renaming.rename_source_key(key)
+    return key
 
 
 def _split(transforms: List[Any]) -> Tuple[List[Any], List[Any], Dict[str, Any]]:
