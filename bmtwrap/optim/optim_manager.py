@@ -12,7 +12,7 @@ from .. import ops
 from ..schedule import engine
 from .adam import AdamOffloadOptimizer, AdamOptimizer
 
-__all__ = ["OptimManager"]
+__all__ = ["OptimManager", "grad_norm"]
 
 
 class OptimManager:
@@ -32,7 +32,8 @@ class OptimManager:
         loss_scale_factor: the scale is divided by this on overflow and multiplied by it after
             ``loss_scale_steps`` clean steps.
         loss_scale_steps: clean steps before the scale grows.
-        min_loss_scale, max_loss_scale: bounds of the scale.
+        min_loss_scale: the scale never shrinks below this.
+        max_loss_scale: the scale never grows above this.
 
     Raises:
         ValueError: a non-positive scale, a factor of 1, bounds out of order.
@@ -83,6 +84,7 @@ class OptimManager:
         return [p for group in groups for p in group["params"]]
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the current loss scale; ``loss`` itself when scaling is off."""
         return loss * self.loss_scale if self.loss_scale_enabled else loss
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -91,6 +93,7 @@ class OptimManager:
         self._factor = 1.0 / self.loss_scale if self.loss_scale_enabled else 1.0
 
     def zero_grad(self) -> None:
+        """``zero_grad()`` of every managed optimizer."""
         for optimizer in self.optimizers:
             optimizer.zero_grad()
 
@@ -125,33 +128,7 @@ class OptimManager:
         if any(getattr(o, "step_in_backward", False) for o in self.optimizers):
             raise ValueError("clip_grad_norm needs every gradient before any update, but an optimizer steps in "
                              "backward (step_in_backward=True); use step_in_backward=False to clip")
-        eng = engine()
-        ctx = eng.ctx
-        params = [p for p in self._params(param_groups) if p.grad is not None]
-        sharded = [p.grad for p in params if eng.registry.is_sharded(p)]
-        replicated = [p.grad for p in params if not eng.registry.is_sharded(p)]
-        norm_type = float(norm_type)
-        if math.isinf(norm_type):
-            local = torch.zeros((), dtype=torch.float32, device=ctx.device)
-            for g in sharded:
-                if g.numel():
-                    local = torch.maximum(local, g.detach().abs().max().float())
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=ctx.group)
-            for g in replicated:
-                if g.numel():
-                    local = torch.maximum(local, g.detach().abs().max().float())
-            total = local
-        else:
-            def power_sum(grads: List[torch.Tensor]) -> torch.Tensor:
-                acc = torch.zeros((), dtype=torch.float32, device=ctx.device)
-                for g in grads:
-                    acc += g.detach().float().norm(norm_type) ** norm_type
-                return acc
-
-            local = power_sum(sharded)
-            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=ctx.group)
-            total = (local + power_sum(replicated)) ** (1.0 / norm_type)
-        total = total * self._factor
+        total = grad_norm(self._params(param_groups), norm_type) * self._factor
         coef = max_norm / (total.item() + eps)
         if coef < 1:
             self._factor *= coef
@@ -218,3 +195,54 @@ class OptimManager:
         self.loss_scale = state["loss_scale"]
         self.loss_scale_enabled = state["loss_scale_enabled"]
         self.steps_since_last_scale = state["steps_since_last_scale"]
+
+
+@torch.no_grad()
+def grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of the whole (unsharded) gradient of ``params``, the same on every rank.
+
+    A collective: every rank calls it with its own parameters of the same model. The gradient
+    shards of sharded parameters are combined over ranks; replicated parameters (plain ones
+    outside blocks) are counted once. Parameters without a gradient are skipped.
+
+    Args:
+        params: parameters of a model sharded by bmtwrap (and any replicated ones beside them).
+        norm_type: the p of the p-norm; ``float("inf")`` for the largest absolute value.
+
+    Returns:
+        A 0-dim fp32 tensor on this rank's device.
+
+    Example::
+
+        from bmtwrap.optim.optim_manager import grad_norm
+
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = grad_norm(params)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm=1.0, total_norm=norm)
+    """
+    eng = engine()
+    ctx = eng.ctx
+    with_grad = [p for p in params if p.grad is not None]
+    sharded = [p.grad for p in with_grad if eng.registry.is_sharded(p)]
+    replicated = [p.grad for p in with_grad if not eng.registry.is_sharded(p)]
+    norm_type = float(norm_type)
+    if math.isinf(norm_type):
+        local = torch.zeros((), dtype=torch.float32, device=ctx.device)
+        for g in sharded:
+            if g.numel():
+                local = torch.maximum(local, g.detach().abs().max().float())
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=ctx.group)
+        for g in replicated:
+            if g.numel():
+                local = torch.maximum(local, g.detach().abs().max().float())
+        return local
+
+    def power_sum(grads: List[torch.Tensor]) -> torch.Tensor:
+        acc = torch.zeros((), dtype=torch.float32, device=ctx.device)
+        for g in grads:
+            acc += g.detach().float().norm(norm_type) ** norm_type
+        return acc
+
+    local = power_sum(sharded)
+    dist.all_reduce(local, op=dist.ReduceOp.SUM, group=ctx.group)
+    return (local + power_sum(replicated)) ** (1.0 / norm_type)
