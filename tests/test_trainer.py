@@ -1,0 +1,292 @@
+"""bmtwrap.hf.Trainer: Hugging Face's Trainer on a sharded model, against plain transformers.Trainer.
+
+``tests/dist_cases/trainer.py`` runs every scenario twice: with bmtwrap's Trainer at world size 2
+over gloo (each rank half of every global batch), and with plain ``transformers.Trainer`` in one
+separate process on the whole batch (no torchrun variables, no bmtwrap). fp32 on the CPU: losses
+and gradient norms agree to 1e-5 relative. Parameters agree to 5e-5 absolute after 3-4 AdamW steps
+of lr 1e-2: Adam divides by sqrt(v) + 1e-8, so a weight whose gradient is ~1e-8 moves by a sizeable
+part of lr on rounding noise alone (a clipping norm from one rank's shards, or a lost micro-batch,
+moves every weight by far more). Resuming is compared with the uninterrupted run and is exact.
+
+The refusals that raise before any process group exists are tested here in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+pytest.importorskip("peft")
+
+import transformers as T  # noqa: E402
+
+from launch import ROOT, TESTS, run_cases  # noqa: E402
+
+SCENARIOS = ["accumulate_and_clip", "no_clipping", "offload", "lora"]
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                      "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+def _run_reference(work) -> dict:
+    """Plain transformers.Trainer in one process of its own, with no torchrun variables."""
+    out = work / "reference.json"
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")]))
+    script = TESTS / "dist_cases" / "trainer.py"
+    proc = subprocess.run([sys.executable, str(script), str(out), str(work), "--reference"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and out.exists(), f"the reference run failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    work = tmp_path_factory.mktemp("trainer")
+    ours = run_cases("trainer.py", 2, str(work))  # first: the reference loads the folders it saves
+    return work, ours, _run_reference(work)
+
+
+def _case(runs, name):
+    result = runs[1][name]
+    assert "error" not in result, result.get("error")
+    return result
+
+
+def _loaded(runs, what: str):
+    """What the reference process made of a folder bmtwrap's save_model wrote ("model" or "adapter")."""
+    loaded = runs[2][f"loaded_{what}"]
+    assert "error" not in loaded, loaded.get("error")
+    return loaded
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_same_losses_and_parameters_as_plain_trainer_in_one_process(runs, name):
+    work, _, reference = runs
+    ours, theirs = _case(runs, name), reference[name]
+    assert [x[0] for x in ours["losses"]] == [x[0] for x in theirs["losses"]], "other steps were logged"
+    for (step, loss, norm), (_, ref_loss, ref_norm) in zip(ours["losses"], theirs["losses"]):
+        assert _rel(loss, ref_loss) <= 1e-5, f"step {step}: loss {loss} vs plain Trainer's {ref_loss}"
+        assert _rel(norm, ref_norm) <= 1e-5, f"step {step}: grad_norm {norm} vs plain Trainer's {ref_norm}"
+    assert _rel(ours["eval_loss"], theirs["eval_loss"]) <= 1e-5, (ours["eval_loss"], theirs["eval_loss"])
+    mine, ref = torch.load(work / f"{name}.bmt.pt"), torch.load(work / f"{name}.ref.pt")
+    assert sorted(mine) == sorted(ref)
+    worst = max((mine[k] - v).abs().max().item() for k, v in ref.items())
+    assert worst <= 5e-5, f"final parameters differ by up to {worst:.3g}"
+    assert not ours["ddp"], "the model was wrapped in DistributedDataParallel"
+
+
+def test_clipping_was_active(runs):
+    """max_grad_norm=0.5 must have clipped (else the clipping case tests nothing)."""
+    assert all(norm > 0.5 for _, _, norm in _case(runs, "accumulate_and_clip")["losses"])
+
+
+def test_optimizer_is_bmtwraps(runs):
+    assert _case(runs, "accumulate_and_clip")["optimizer"] == "AdamOptimizer"
+    assert _case(runs, "offload")["optimizer"] == "AdamOffloadOptimizer"
+
+
+def test_save_model_loads_in_plain_transformers(runs):
+    _case(runs, "save_model_and_generate")  # its own error first, if save_model failed
+    loaded = _loaded(runs, "model")
+    assert loaded["keys_equal"] and loaded["weights_equal"], "from_pretrained does not give the trained weights"
+    assert loaded["logits_max_abs"] <= 1e-5, loaded["logits_max_abs"]
+    assert loaded["tokenizer_saved"], "save_model did not write the processing class"
+
+
+def test_generate_on_every_rank_matches_the_saved_model(runs):
+    generated = _case(runs, "save_model_and_generate")["generated"]
+    assert generated == _loaded(runs, "model")["generated"]
+    assert all(len(g) == 5 + 6 for g in generated)
+
+
+def test_lora_trains_the_adapters_only_and_reloads_in_peft(runs):
+    r = _case(runs, "save_adapter")
+    assert r["base_frozen"], "a frozen base weight changed"
+    assert r["lora_b_trained"], "lora_B is still zero: the adapters did not train"
+    assert "adapter_model.safetensors" in r["adapter_files"] and "adapter_config.json" in r["adapter_files"]
+    assert _loaded(runs, "adapter")["logits_max_abs"] <= 1e-5, _loaded(runs, "adapter")["logits_max_abs"]
+
+
+def test_resume_from_checkpoint_is_exact(runs):
+    r = _case(runs, "resume")
+    assert [x[0] for x in r["resumed"]] == [4, 5, 6]
+    for (step, loss, norm), (_, ref_loss, ref_norm) in zip(r["resumed"], r["uninterrupted"]):
+        assert _rel(loss, ref_loss) <= 1e-6 and _rel(norm, ref_norm) <= 1e-6, (step, loss, ref_loss)
+    assert r["param_max_abs"] <= 1e-6, r["param_max_abs"]
+
+
+def test_checkpoint_folder_is_sharded_and_rotated(runs):
+    r = _case(runs, "resume")
+    assert r["first_run_folders"] == ["checkpoint-6"], "save_total_limit=1 should have removed checkpoint-3"
+    assert r["sharded_index"]
+    assert {"trainer_state.json", "rng_state_0.pth", "rng_state_1.pth", "bmtwrap"} <= set(r["checkpoint_files"])
+    assert not {"model.safetensors", "optimizer.pt", "scheduler.pt"} & set(r["checkpoint_files"]), \
+        "the full weights or a rank-0 optimizer file were written into the checkpoint"
+
+
+def test_save_only_model_checkpoint_holds_no_optimizer(runs):
+    r = _case(runs, "save_only_model")
+    assert r["optimizers"] == [] and r["model_keys"] > 0, r
+
+
+def test_load_best_model_at_end(runs):
+    r = _case(runs, "best_model")
+    assert r["saved_steps"] == [2, 4] and r["best_step"] == 2, r
+    assert r["final_is_best"] and not r["final_is_last"], "the best checkpoint's weights were not loaded"
+
+
+def test_gradient_checkpointing_flag_becomes_bmtwraps_checkpointing(runs):
+    r = _case(runs, "gradient_checkpointing")
+    assert r["flag_off"] and r["hf_checkpointing_off"] and r["wrap_checkpoint"] is True, r
+
+
+def test_chosen_optimizer_is_honoured_and_bf16_trains(runs):
+    r = _case(runs, "chosen_optimizer_and_bf16")
+    assert r["optimizer"] == "SGD"
+    fp32 = _case(runs, "no_clipping")["losses"]
+    assert abs(r["bf16_losses"][0][1] - fp32[0][1]) <= 0.05, (r["bf16_losses"], fp32)
+
+
+@pytest.mark.parametrize("name, pattern", [
+    ("n_gpu", r"NotImplementedError: args.n_gpu=2: .*DataParallel.*torchrun --nproc_per_node=2"),
+    ("device", r"ValueError: TrainingArguments put the batches on cuda:\d but bmtwrap keeps the model on cpu"),
+    ("resume", r"ValueError: .*not_a_checkpoint holds no bmtwrap checkpoint \(bmtwrap/index.json\)"),
+    ("accelerate_fsdp", r"NotImplementedError: accelerate is configured for DeepSpeed or FSDP"),
+    ("world_size", r"ValueError: TrainingArguments see 1 process\(es\) but the process group has 2 ranks.*use_cpu"),
+])
+def test_refusals_that_need_a_process_group(runs, name, pattern):
+    assert re.search(pattern, _case(runs, "errors")[name]), _case(runs, "errors")[name]
+
+
+# --- refusals before any process group --------------------------------------------------------------------
+
+
+def _tiny_model() -> T.LlamaForCausalLM:
+    return T.LlamaForCausalLM(T.LlamaConfig(vocab_size=96, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=1))
+
+
+def _args(tmp_path, **kwargs) -> T.TrainingArguments:
+    return T.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **kwargs)
+
+
+ARGUMENT_LIMITS = {
+    "deepspeed": ("ds_config.json", "bmtwrap shards the model itself"),
+    "fsdp": (True, "remove fsdp= and fsdp_config="),
+    "fsdp_config": ({"min_num_params": 0}, "remove fsdp= and fsdp_config="),
+    "fp16": (True, "use bf16=True"),
+    "fp16_full_eval": (True, "casts the model with .to\\(dtype\\)"),
+    "bf16_full_eval": (True, "casts the model with .to\\(dtype\\)"),
+    "torch_compile": (True, "torch.compile does not trace"),
+    "auto_find_batch_size": (True, "out-of-memory error on one rank"),
+    "use_liger_kernel": (True, "Liger replaces the forward"),
+    "accelerator_config.even_batches": (False, "leave even_batches=True"),
+    "parallelism_config": ("tp=2", "remove parallelism_config"),
+}
+
+
+@pytest.mark.parametrize("argument", sorted(ARGUMENT_LIMITS))
+def test_unsupported_training_argument(tmp_path, argument):
+    from bmtwrap.hf import Trainer
+
+    value, fix = ARGUMENT_LIMITS[argument]
+    args = _args(tmp_path)
+    *owner, name = argument.split(".")
+    setattr(args.accelerator_config if owner else args, name, value)  # set after __post_init__'s checks
+    with pytest.raises(NotImplementedError, match=rf"does not support {re.escape(argument)}={re.escape(repr(value))}: "
+                                                  rf".*{fix}"):
+        Trainer(model=_tiny_model(), args=args)
+
+
+def test_model_init_is_refused(tmp_path):
+    from bmtwrap.hf import Trainer
+
+    with pytest.raises(NotImplementedError, match="does not support model_init=.*pass model= instead"):
+        Trainer(args=_args(tmp_path), model_init=_tiny_model)
+
+
+def test_no_model(tmp_path):
+    from bmtwrap.hf import Trainer
+
+    with pytest.raises(ValueError, match="needs model="):
+        Trainer(args=_args(tmp_path))
+
+
+def test_model_spread_by_device_map_is_refused(tmp_path):
+    from bmtwrap.hf import Trainer
+
+    model = _tiny_model()
+    model.hf_device_map = {"model.embed_tokens": 0, "model.layers": 1, "lm_head": 1}
+    with pytest.raises(NotImplementedError, match=r"device_map spreading it over \['0', '1'\].*without device_map"):
+        Trainer(model=model, args=_args(tmp_path))
+
+
+def test_quantized_model_is_refused(tmp_path):
+    from bmtwrap.hf import Trainer
+
+    model = _tiny_model()
+    model.hf_quantizer = object()
+    with pytest.raises(NotImplementedError, match="does not support quantized models"):
+        Trainer(model=model, args=_args(tmp_path))
+
+
+def test_model_distributed_by_transformers_is_refused(tmp_path):
+    from bmtwrap.hf import Trainer
+
+    model = _tiny_model()
+    model._tp_size = 2  # as from_pretrained(tp_plan="auto") leaves it
+    with pytest.raises(NotImplementedError, match="already distributed by transformers"):
+        Trainer(model=model, args=_args(tmp_path))
+
+
+def test_optimizer_outside_the_adamw_family_needs_a_choice(tmp_path):
+    from bmtwrap.hf import Trainer
+
+    with pytest.raises(ValueError, match=r"args.optim='adafactor': .*pass optimizer_cls_and_kwargs="):
+        Trainer(model=_tiny_model(), args=_args(tmp_path, optim="adafactor"))
+
+
+def test_offload_with_a_chosen_optimizer(tmp_path):
+    from bmtwrap.hf import Trainer
+
+    model = _tiny_model()
+    with pytest.raises(ValueError, match="offload=True chooses the optimizer .* but optimizers= or"):
+        Trainer(model=model, args=_args(tmp_path), optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None),
+                offload=True)
+
+
+def test_gradient_checkpointing_against_wrap_options(tmp_path):
+    from bmtwrap.hf import Trainer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers 5.23 renamed it activation_checkpointing
+        args = _args(tmp_path, gradient_checkpointing=True)
+    with pytest.raises(ValueError, match="gradient_checkpointing=True asks for .* wrap_options has checkpoint=False"):
+        Trainer(model=_tiny_model(), args=args, wrap_options={"checkpoint": False})
+
+
+def test_wrap_options_must_be_a_dict(tmp_path):
+    from bmtwrap.hf import Trainer
+
+    with pytest.raises(TypeError, match="wrap_options must be a dict"):
+        Trainer(model=_tiny_model(), args=_args(tmp_path), wrap_options=["checkpoint"])
+
+
+
+def test_wrap_options_are_wraps_arguments(tmp_path):
+    from bmtwrap.hf import Trainer
+
+    with pytest.raises(TypeError, match=r"wrap_options has \['checkpointing'\], which bmtwrap.wrap does not take"):
+        Trainer(model=_tiny_model(), args=_args(tmp_path), wrap_options={"checkpointing": True})
