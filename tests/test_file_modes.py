@@ -87,3 +87,22 @@ def test_exported_hugging_face_folder(world, umask, tmp_path):
     bmt.save_pretrained(model, tmp_path / "hf")
     assert (tmp_path / "hf" / "model.safetensors").is_file()
     _assert_modes_like_open(tmp_path / "hf", umask)
+
+
+def test_saving_over_a_folder_carries_its_other_files_without_copying(world, tmp_path):
+    """A Trainer's output folder holds checkpoint-N folders of many GB: they are linked, not copied."""
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=32)
+    model = bmt.wrap(transformers.LlamaForCausalLM(config))
+    folder = tmp_path / "out"
+    bmt.save_pretrained(model, folder)
+    (folder / "checkpoint-1").mkdir()
+    (folder / "checkpoint-1" / "state.bin").write_bytes(b"x" * 4096)
+    (folder / "README.md").write_text("notes")
+    inodes = {p: (folder / p).stat().st_ino for p in ("checkpoint-1/state.bin", "README.md")}
+    bmt.save_pretrained(model, folder)
+    assert (folder / "checkpoint-1" / "state.bin").read_bytes() == b"x" * 4096
+    assert (folder / "README.md").read_text() == "notes"
+    assert {p: (folder / p).stat().st_ino for p in inodes} == inodes, "carried-over files were copied, not linked"

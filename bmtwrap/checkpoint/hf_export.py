@@ -6,8 +6,9 @@ swaps it in: the old folder is renamed to ``.name.old-*``, the new one renamed t
 the old one deleted. A reader therefore sees the complete old folder, the complete new one, or
 (in the instant between the two renames) no folder at all, never a half-written one. A crash in
 that instant leaves both complete folders under their hidden names, to be renamed back by hand.
-Other files of an existing folder (tokenizer, README) are carried over, as transformers' own
-``save_pretrained`` leaves them in place; stale weight shards are not.
+Other files of an existing folder (tokenizer, README, training checkpoints) are carried over, as
+transformers' own ``save_pretrained`` leaves them in place, by hard links where the file system
+allows (no bytes are copied); stale weight shards are not.
 """
 
 from __future__ import annotations
@@ -168,6 +169,16 @@ def _write_configs(hf: nn.Module, folder: Path) -> None:
             _fsync(folder / name)
 
 
+def _link_or_copy(source: str, target: str) -> None:
+    """A hard link where the file system allows it (no bytes copied: a carried-over folder may hold
+    training checkpoints of many GB), else a copy made durable."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+        _fsync(Path(target))
+
+
 def _carry_over(old: Path, new: Path) -> None:
     """Files of an existing folder that this save does not replace (tokenizer, README, ...)."""
     if not old.is_dir():
@@ -177,10 +188,9 @@ def _carry_over(old: Path, new: Path) -> None:
         if item.name in _OURS or _SHARD_FILE.fullmatch(item.name) or leftover or (new / item.name).exists():
             continue
         if item.is_dir():
-            shutil.copytree(item, new / item.name)
+            shutil.copytree(item, new / item.name, copy_function=_link_or_copy)
         else:
-            shutil.copy2(item, new / item.name)
-            _fsync(new / item.name)
+            _link_or_copy(str(item), str(new / item.name))
 
 
 def _swap_in(tmp: Path, final: Path) -> None:
