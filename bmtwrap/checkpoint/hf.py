@@ -32,10 +32,9 @@ from torch import nn
 
 from .. import dist as _dist
 from ..wrap.convert import materialize, restore_buffers, wrap
-from .io import read_flat_range
 from .hf_export import save_pretrained
-from .hf_keys import (INDEX_NAME, WEIGHTS_NAME, PathLike, _conversions, _Entry, _entries, _FullShapes, _Group,
-                      _hf_model, _split)
+from .hf_keys import INDEX_NAME, WEIGHTS_NAME, _conversions, _entries, _Entry, _FullShapes, _Group, _hf_model, _split
+from .io import PathLike, read_flat_range
 
 __all__ = ["from_pretrained", "load_pretrained", "save_pretrained"]
 

@@ -28,9 +28,20 @@ from torch import nn
 
 from .. import dist as _dist
 from ..group import FlatBuffer, ShardState
-from .hf_keys import (INDEX_NAME, WEIGHTS_NAME, PathLike, _apply_converters, _apply_renamings, _conversions, _Entry,
-                      _entries, _FullShapes, _Group, _hf_model, _split)
-from .io import atomic_file, fsync_dir, temporary_name
+from .hf_keys import (
+    INDEX_NAME,
+    WEIGHTS_NAME,
+    _apply_converters,
+    _apply_renamings,
+    _conversions,
+    _entries,
+    _Entry,
+    _FullShapes,
+    _Group,
+    _hf_model,
+    _split,
+)
+from .io import PathLike, atomic_file, fsync_dir, temporary_name
 
 __all__ = ["save_pretrained"]
 

@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -31,7 +30,6 @@ from .. import dist as _dist
 from ..group import FlatBuffer, ParamSlot
 from ..schedule import engine
 
-PathLike = Union[str, "os.PathLike[str]"]
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 

@@ -19,11 +19,9 @@ only the files the index names and ignores everything else in the folder.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
-import random
 import uuid
 import warnings
 from contextlib import ExitStack
@@ -39,9 +37,20 @@ from ..dist import DistContext
 from ..optim import OptimManager
 from ..schedule import engine
 from ..wrap.convert import restore_buffers
+from .agree import _agree, _broadcast, _describe, _first_failure, _raise
 from .io import PathLike, atomic_file
-from .sharded_format import (_SHARD_FILE, _TEMPORARY, INDEX, _build_index, _encode, _RankPart, _read_index,
-                             _ShardReader, _write_files)
+from .sharded_format import (
+    _SHARD_FILE,
+    _TEMPORARY,
+    INDEX,
+    _build_index,
+    _encode,
+    _RankPart,
+    _read_index,
+    _ShardReader,
+    _write_files,
+)
+from .sharded_rng import _collect_rng, _plan_rng, _restore_rng
 
 __all__ = ["CheckpointInfo", "load_checkpoint", "save_checkpoint"]
 
@@ -148,61 +157,7 @@ def _optimizer_params(optimizer: torch.optim.Optimizer, names: Dict[int, str], i
     return groups
 
 
-# --- agreeing across ranks ---------------------------------------------------------------------
-
-_ERRORS = {cls.__name__: cls for cls in (ValueError, TypeError, FileNotFoundError, NotImplementedError, OSError,
-                                         RuntimeError, KeyError)}
-
-
-def _describe(error: Optional[BaseException]) -> Optional[Tuple[str, str]]:
-    return None if error is None else (type(error).__name__, str(error))
-
-
-def _agree(ctx: DistContext, own: Optional[BaseException]) -> None:
-    """A collective: if any rank hit an error, every rank raises (so no rank changes anything alone).
-
-    A rank raises its own error; the others rebuild the first failing rank's.
-    """
-    reports: List[Optional[Tuple[str, str]]] = [None] * ctx.world_size
-    dist.all_gather_object(reports, _describe(own), group=ctx.group)
-    _raise(own, _first_failure(reports))
-
-
-def _raise(own: Optional[BaseException], failure: Optional[Tuple[str, str]]) -> None:
-    if own is not None:
-        raise own
-    if failure is not None:
-        raise _ERRORS.get(failure[0], RuntimeError)(failure[1])
-
-
-def _broadcast(ctx: DistContext, value: Any) -> Any:
-    box = [value]
-    dist.broadcast_object_list(box, src=0, group=ctx.group)
-    return box[0]
-
-
 # --- saving ---------------------------------------------------------------------------------------
-
-
-def _collect_rng(part: _RankPart, ctx: DistContext) -> None:
-    """This rank's RNG states (taken first, before anything could draw from them)."""
-    names: Dict[str, Optional[str]] = {"torch_cpu": f"rng/{ctx.rank}/torch_cpu", "torch_cuda": None}
-    cpu = torch.get_rng_state()
-    part.add(names["torch_cpu"], cpu, 0, (cpu.numel(),))
-    if ctx.device.type == "cuda":
-        names["torch_cuda"] = f"rng/{ctx.rank}/torch_cuda"
-        cuda = torch.cuda.get_rng_state(ctx.device)
-        part.add(names["torch_cuda"], cuda, 0, (cuda.numel(),))
-    part.rng = {"python": _encode(random.getstate(), "random state"), "numpy": _numpy_state(), **names}
-
-
-def _numpy_state() -> Optional[List[Any]]:
-    try:
-        import numpy
-    except ImportError:
-        return None
-    kind, keys, pos, has_gauss, gauss = numpy.random.get_state()
-    return [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
 
 
 def _collect_model(part: _RankPart, targets: Dict[str, _Target], rank: int) -> Dict[str, str]:
@@ -280,13 +235,6 @@ def _remove_unreferenced(folder: Path, keep: Set[str]) -> None:
             pass
         except OSError as caught:
             warnings.warn(f"could not delete {entry.path}, a file no checkpoint index names: {caught}", stacklevel=3)
-
-
-def _first_failure(reports: Sequence[Optional[Tuple[str, str]]]) -> Optional[Tuple[str, str]]:
-    for rank, report in enumerate(reports):
-        if report is not None:
-            return report[0], f"{report[1]} (on rank {rank})"
-    return None
 
 
 def _save_head(model_keys: Dict[str, str], optimizers: List[torch.optim.Optimizer], states: List[Dict[str, Any]],
@@ -519,43 +467,6 @@ def _optimizer_state_dict(plan: _OptimizerPlan, reader: _ShardReader) -> Dict[st
     groups = [{**{k: v for k, v in saved.items() if k != "params"}, "params": positions}
               for saved, positions in zip(plan.saved["param_groups"], plan.groups)]
     return {"state": state, "param_groups": groups}
-
-
-def _plan_rng(index: Dict[str, Any], reader: _ShardReader, rank: int) -> None:
-    if rank < len(index["rng"]):
-        for key in ("torch_cpu", "torch_cuda"):
-            name = index["rng"][rank][key]
-            if name is not None:
-                reader.require(name, 0, reader.shape(name)[0])
-
-
-def _restore_rng(index: Dict[str, Any], reader: _ShardReader, ctx: DistContext) -> None:
-    """Rank r takes saving rank r's states; a rank the saving run did not have gets fresh seeds."""
-    if ctx.rank >= len(index["rng"]):
-        digest = hashlib.sha256(f"{index['tag']}:{ctx.rank}".encode()).digest()
-        seed = int.from_bytes(digest[:8], "little") >> 1
-        random.seed(seed)
-        torch.manual_seed(seed)  # every CUDA device too
-        _set_numpy(None, seed)
-        return
-    saved = index["rng"][ctx.rank]
-    random.setstate(saved["python"])
-    _set_numpy(saved["numpy"], None)
-    torch.set_rng_state(reader.read(saved["torch_cpu"], 0, reader.shape(saved["torch_cpu"])[0]))
-    if saved["torch_cuda"] is not None and ctx.device.type == "cuda":
-        torch.cuda.set_rng_state(reader.read(saved["torch_cuda"], 0, reader.shape(saved["torch_cuda"])[0]), ctx.device)
-
-
-def _set_numpy(state: Optional[List[Any]], seed: Optional[int]) -> None:
-    try:
-        import numpy
-    except ImportError:
-        return
-    if seed is not None:
-        numpy.random.seed(seed % 2**32)
-    elif state is not None:
-        kind, keys, pos, has_gauss, gauss = state
-        numpy.random.set_state((kind, numpy.array(keys, dtype=numpy.uint32), pos, has_gauss, gauss))
 
 
 def _settle(optimizers: List[torch.optim.Optimizer], targets: Dict[str, _Target], ctx: DistContext) -> None:

@@ -26,7 +26,7 @@ import transformers
 from torch import nn
 
 import bmtwrap as bmt
-import bmtwrap.checkpoint.full as full
+import bmtwrap.checkpoint.full_format as full_format
 from bmtwrap.group import ShardState
 from bmtwrap.schedule import engine
 from common import run
@@ -179,21 +179,21 @@ def save_errors() -> Dict[str, Any]:
     out["unwritable"] = all_ranks(outcome(lambda: bmt.save(model, blocker / "model.pt")))
 
     # A fault on rank 0 alone while it prepares the file.
-    original_init = full._TorchWriter.__init__
+    original_init = full_format._TorchWriter.__init__
 
     def broken_init(self, path, entries):
         raise AssertionError("torch.save laid out storage 0 unexpectedly")
 
-    full._TorchWriter.__init__ = broken_init
+    full_format._TorchWriter.__init__ = broken_init
     try:
         out["writer_fails_to_start"] = all_ranks(outcome(lambda: bmt.save(model, FOLDER / "never.pt")))
     finally:
-        full._TorchWriter.__init__ = original_init
+        full_format._TorchWriter.__init__ = original_init
 
     # A full disk on rank 0 halfway through: the previous file stays, the temporary file goes.
     target = FOLDER / "llama.safetensors"
     old_bytes = target.read_bytes() if bmt.rank() == 0 and target.exists() else b""  # never raise on one rank only
-    original = full._SafetensorsWriter.write
+    original = full_format._SafetensorsWriter.write
     calls = [0]
 
     def failing(self, entry, value):
@@ -202,7 +202,7 @@ def save_errors() -> Dict[str, Any]:
             raise OSError(28, "No space left on device")
         original(self, entry, value)
 
-    full._SafetensorsWriter.write = failing
+    full_format._SafetensorsWriter.write = failing
     try:
         with torch.no_grad():
             next(model.parameters()).add_(1.0)  # so that a completed write would change the file
@@ -210,7 +210,7 @@ def save_errors() -> Dict[str, Any]:
         with torch.no_grad():
             next(model.parameters()).sub_(1.0)
     finally:
-        full._SafetensorsWriter.write = original
+        full_format._SafetensorsWriter.write = original
     if bmt.rank() == 0:
         out["disk_full_file_kept"] = target.read_bytes() == old_bytes
         out["temporary_files_left"] = [p.name for p in FOLDER.iterdir() if ".tmp-" in p.name]
@@ -264,7 +264,7 @@ def save_loop(path: Path) -> None:
     """
     bmt.init_distributed(seed=0)
     model = bmt.wrap(nn.Sequential(*[nn.Linear(2048, 2048, bias=False) for _ in range(4)]))
-    writer = full._SafetensorsWriter if path.suffix == ".safetensors" else full._TorchWriter
+    writer = full_format._SafetensorsWriter if path.suffix == ".safetensors" else full_format._TorchWriter
     original = writer.write
     progress = {"iteration": 0, "written": 0}
 
