@@ -230,3 +230,41 @@ def test_auto_checkpoint_keeps_activations_of_the_blocks_that_fit(monkeypatch):
     # 2600 budget - 500 peak = 2100 headroom: two blocks of 1000 fit, the third stays checkpointed.
     assert [r.use_checkpoint for r in runners] == [False, False, True]
     model(ids, labels=ids).loss.backward()  # and training goes on with the mixed setting
+
+
+class _FamilyModel(nn.Module):
+    """A model of a family bmtwrap does not know: its layers live in ``stack``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        self.prepared = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.stack:
+            x = layer(x)
+        return x
+
+
+def test_a_registered_adapter_is_used_for_its_family():
+    from bmtwrap.wrap.adapters import ModelAdapter, adapter_for, register_adapter
+
+    @register_adapter
+    class FamilyAdapter(ModelAdapter):
+        @classmethod
+        def build(cls, model):
+            return cls() if isinstance(model, _FamilyModel) else None
+
+        def prepare(self, model):
+            model.prepared = True
+
+    model = bmt.wrap(_FamilyModel())
+    assert model.prepared, "wrap did not call the family's adapter"
+    assert type(adapter_for(nn.Linear(2, 2))) is ModelAdapter  # other models are not claimed
+    with pytest.raises(TypeError, match="register_adapter expects a subclass of ModelAdapter, got <class 'int'>"):
+        register_adapter(int)
+    with pytest.raises(TypeError, match="NoBuild must define its own classmethod build"):
+        @register_adapter
+        class NoBuild(ModelAdapter):
+            pass
+    assert type(adapter_for(nn.Linear(2, 2))) is ModelAdapter, "a class without build() claimed every model"

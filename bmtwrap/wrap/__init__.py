@@ -1,6 +1,8 @@
 """The converter: ``wrap`` any nn.Module (Hugging Face models included), ``plan`` it, ``materialize`` it."""
 
+from .adapters import HFAdapter, ModelAdapter, register_adapter
 from .convert import materialize, plan, wrap
 from .plan import GroupPlan, MemoryEstimate, WrapPlan
 
-__all__ = ["GroupPlan", "MemoryEstimate", "WrapPlan", "materialize", "plan", "wrap"]
+__all__ = ["GroupPlan", "HFAdapter", "MemoryEstimate", "ModelAdapter", "WrapPlan", "materialize", "plan",
+           "register_adapter", "wrap"]

@@ -1,21 +1,39 @@
 """What the converter needs to know about a family of models, as one small policy object each.
 
 The converter calls an adapter at fixed points and never branches on the model type itself;
-support for another library is another adapter.
+support for another library is another adapter: a subclass of :class:`ModelAdapter` with its own
+:meth:`~ModelAdapter.build` (does this model belong to the family?), declared with
+:func:`register_adapter`. :func:`adapter_for` asks the most derived adapters first, the newest
+first among siblings, so a family can specialise another (a subclass of :class:`HFAdapter` for
+one architecture) without editing the dispatcher. The subclasses themselves are the registry:
+no list of ours to keep in step.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type, TypeVar
 
 from torch import nn
 
-__all__ = ["ModelAdapter", "HFAdapter", "adapter_for"]
+__all__ = ["HFAdapter", "ModelAdapter", "adapter_for", "register_adapter"]
+
+A = TypeVar("A", bound=Type["ModelAdapter"])
 
 
 class ModelAdapter:
-    """Plain ``nn.Module`` models: nothing to prepare; modules initialise with ``reset_parameters``."""
+    """Plain ``nn.Module`` models: nothing to prepare; modules initialise with ``reset_parameters``.
+
+    The base of every family's adapter (see :func:`register_adapter`).
+    """
+
+    @classmethod
+    def build(cls, model: nn.Module) -> Optional["ModelAdapter"]:
+        """This family's adapter for ``model``, or ``None`` when the model is not of the family.
+
+        The base class takes any model: it is the fallback.
+        """
+        return cls()
 
     def prepare(self, model: nn.Module) -> None:
         """Called once before sharding; may register hooks on the model."""
@@ -58,6 +76,12 @@ class HFAdapter(ModelAdapter):
 
     def __init__(self, hf: nn.Module) -> None:
         self.hf = hf
+
+    @classmethod
+    def build(cls, model: nn.Module) -> Optional["ModelAdapter"]:
+        """The adapter of the outermost transformers model in the tree, if there is one."""
+        hf = next((m for m in model.modules() if _is_hf_model(m)), None)
+        return cls(hf) if hf is not None else None
 
     def prepare(self, model: nn.Module) -> None:
         hf = self.hf
@@ -102,6 +126,52 @@ def _no_cache_in_training(module: nn.Module, args: Tuple[Any, ...],
     return args, kwargs
 
 
+def register_adapter(cls: A) -> A:
+    """Declare a family's adapter; use it as a class decorator.
+
+    Defining the subclass is what makes :func:`adapter_for` consider it: subclasses are asked
+    before their base, the newest sibling first. The decorator checks the class and names the
+    intent.
+
+    Raises:
+        TypeError: ``cls`` is not a subclass of :class:`ModelAdapter`, or does not define its own
+            ``build``.
+
+    Example::
+
+        @bmtwrap.wrap.adapters.register_adapter
+        class MyFamilyAdapter(ModelAdapter):
+            @classmethod
+            def build(cls, model):
+                return cls() if isinstance(model, MyFamilyModel) else None
+
+            def prepare(self, model):
+                model.disable_own_checkpointing()
+    """
+    if not (isinstance(cls, type) and issubclass(cls, ModelAdapter)) or cls is ModelAdapter:
+        raise TypeError(f"register_adapter expects a subclass of ModelAdapter, got {cls!r}")
+    if "build" not in vars(cls):
+        raise TypeError(f"{cls.__name__} must define its own classmethod build(model) -> adapter or None; "
+                        "without it, it would claim every model its base claims")
+    return cls
+
+
+def _candidates(cls: Type[ModelAdapter]) -> Iterator[Type[ModelAdapter]]:
+    """``cls``'s subclasses, most derived first, newest first among siblings; then ``cls``.
+
+    Only classes with a ``build`` of their own are families; one without (a mixin, a base
+    extended by others) would claim every model its base claims.
+    """
+    for sub in reversed(cls.__subclasses__()):
+        yield from _candidates(sub)
+    if "build" in vars(cls):
+        yield cls
+
+
 def adapter_for(model: nn.Module) -> ModelAdapter:
-    hf = next((m for m in model.modules() if _is_hf_model(m)), None)
-    return HFAdapter(hf) if hf is not None else ModelAdapter()
+    """The adapter of the most specific family ``model`` belongs to (plain modules: :class:`ModelAdapter`)."""
+    for cls in _candidates(ModelAdapter):
+        adapter = cls.build(model)
+        if adapter is not None:
+            return adapter
+    raise AssertionError("ModelAdapter.build accepts every model")
