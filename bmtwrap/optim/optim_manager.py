@@ -3,16 +3,32 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, List, Optional
+import inspect
+from typing import Any, Dict, Iterable, List, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
 from .. import ops
 from ..schedule import engine
-from .adam import AdamOffloadOptimizer, AdamOptimizer
 
-__all__ = ["OptimManager", "grad_norm"]
+__all__ = ["OptimManager", "ScaledStep", "grad_norm"]
+
+
+class ScaledStep(Protocol):
+    """What the manager asks of an optimizer beyond ``torch.optim.Optimizer``; both parts optional.
+
+    - ``step(closure=None, *, grad_scale=1.0)``: the gradients are multiplied by ``grad_scale`` as
+      they are read, so unscaling and clipping cost no pass over memory (bmtwrap's Adams). Without
+      that keyword, the manager multiplies ``.grad`` itself before ``step()``.
+    - ``step_in_backward``: ``True`` when the optimizer updates parameters during backward, so no
+      loss scale can be checked and no norm clipped before the update.
+    """
+
+    step_in_backward: bool
+
+    def step(self, closure: Any = None, *, grad_scale: float = 1.0) -> Any:
+        """Update the parameters, reading each gradient times ``grad_scale``."""
 
 
 class OptimManager:
@@ -99,7 +115,7 @@ class OptimManager:
 
     @staticmethod
     def _fuses_scale(optimizer: torch.optim.Optimizer) -> bool:
-        return isinstance(optimizer, (AdamOptimizer, AdamOffloadOptimizer))
+        return "grad_scale" in inspect.signature(optimizer.step).parameters
 
     def _overflow(self) -> bool:
         ctx = engine().ctx
