@@ -25,6 +25,7 @@ optimizer that takes a gradient during backward orders its read after the copy o
 (:attr:`FlatBuffer.grad_stream`). Host writes of a shard (an optimizer step) come after that wait
 or that stream's event, and so after every copy of the shard that an earlier gather queued (the
 computation that produced the gradient waited for it).
+The choice is the buffer's ``OffloadPolicy`` (``FlatBuffer.offload``; see ``offload.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from __future__ import annotations
 import enum
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -40,6 +41,7 @@ from torch.profiler import record_function
 
 from .collectives import Pending, all_gather, reduce_scatter_mean
 from .dist import DistContext
+from .offload import OffloadPolicy, host_empty
 from .param import DistributedParameter, FlatLayout, LocalPiece, build_layout
 
 __all__ = ["FlatBuffer", "ParamGroup", "ParamRegistry", "ParamSlot", "PendingReduction", "ShardState"]
@@ -97,7 +99,7 @@ class FlatBuffer:
 
     def __init__(self, ctx: DistContext, layout: FlatLayout, local: torch.Tensor, slots: List[ParamSlot],
                  requires_grad: bool, reduce_dtype: Optional[torch.dtype] = None, label: str = "",
-                 offloaded: bool = False) -> None:
+                 offload: OffloadPolicy = OffloadPolicy()) -> None:
         self.ctx = ctx
         self.label = label  # names this buffer's collectives in profiler traces
         self.layout = layout
@@ -105,8 +107,8 @@ class FlatBuffer:
         self.slots = slots
         self.requires_grad = requires_grad
         self.reduce_dtype = reduce_dtype or local.dtype
-        # The shard lives on the host and the computation on ctx.device (see [Note: offloaded shards]).
-        self.offloaded = offloaded
+        # What this buffer keeps on the host (see [Note: offloaded shards]); ``local`` was allocated by it.
+        self.offload = offload
         self._grad_copied: Optional[torch.cuda.Event] = None  # the last gradient copy to the host in flight
         self._copied: Optional[torch.cuda.Event] = None  # the gather's copy from the host in flight
         self.full = torch.empty(layout.padded_total, dtype=local.dtype, device=ctx.device)
@@ -127,6 +129,11 @@ class FlatBuffer:
     @property
     def dtype(self) -> torch.dtype:
         return self.local.dtype
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether the shard lives on the host while the computation runs on ``ctx.device``."""
+        return self.offload.params
 
     def _version(self) -> int:
         # In-place updates of the parameters (optimizer steps, loads) bump these counters; a
@@ -289,7 +296,7 @@ class FlatBuffer:
         return self.ctx.copy_stream("to_host") if self.offloaded and self.ctx.device.type == "cuda" else None
 
     def _to_host(self, shard: torch.Tensor, wait: bool) -> torch.Tensor:
-        host = torch.empty(shard.numel(), dtype=shard.dtype, pin_memory=shard.is_cuda)
+        host = host_empty(shard.numel(), shard.dtype, pinned=shard.is_cuda)
         stream = self.grad_stream
         if stream is None or wait:
             self.wait_grads()  # the gradient this one is added to may still be arriving
@@ -496,21 +503,24 @@ def _check_devices(ctx: DistContext, named: Sequence[Tuple[str, nn.Parameter]], 
 
 def build_group(ctx: DistContext, registry: ParamRegistry, module: nn.Module, name: str,
                 on_reduce: GradSink, reduce_dtype: Optional[torch.dtype] = None,
-                exclude: Iterable[int] = (), allow_meta: bool = False, offload: bool = False) -> ParamGroup:
+                exclude: Iterable[int] = (), allow_meta: bool = False,
+                offload: Union[OffloadPolicy, bool] = OffloadPolicy()) -> ParamGroup:
     """Shard every parameter under ``module`` (except ids in ``exclude``) into a new group.
 
     Plain parameters are sliced locally; a lone :class:`DistributedParameter` (already sharded
     at construction) is gathered once and re-laid into the group's buffers.
 
     With ``allow_meta``, parameters on the meta device get uninitialised shards, to be filled by
-    materialisation or loading. With ``offload``, the shards live in (pinned) host memory (see
-    [Note: offloaded shards]).
+    materialisation or loading. ``offload`` says what every buffer of the group keeps on the host
+    (see [Note: offloaded shards]); a bool stands for ``OffloadPolicy(params=offload)``.
 
     Raises:
         ValueError: parameters on several devices, or on a device other than this process's
             (or the CPU); a parameter that another group already owns.
         NotImplementedError: parameters on the meta device without ``allow_meta``.
     """
+    if isinstance(offload, bool):  # TODO: drop once BlockRunner passes the record instead of offload_params
+        offload = OffloadPolicy(params=offload)
     excluded = set(exclude)
     owners = find_owners(module)
     named: List[Tuple[str, nn.Parameter]] = []
@@ -534,9 +544,7 @@ def build_group(ctx: DistContext, registry: ParamRegistry, module: nn.Module, na
     for (dtype, requires_grad), members in by_kind.items():
         shapes = [p._original_shape if isinstance(p, DistributedParameter) else p.shape for _, p in members]
         layout = build_layout([s.numel() for s in shapes], ctx.world_size, torch.empty((), dtype=dtype).element_size())
-        local = (torch.empty if on_meta else torch.zeros)(layout.shard_size, dtype=dtype,
-                                                          device="cpu" if offload else ctx.device,
-                                                          pin_memory=offload and ctx.device.type == "cuda")
+        local = offload.new_shard(layout.shard_size, dtype, ctx.device, zeroed=not on_meta)
         slots = []
         for index, ((qualified, param), shape) in enumerate(zip(members, shapes)):
             piece = layout.piece(index, ctx.rank)
@@ -563,7 +571,7 @@ def build_group(ctx: DistContext, registry: ParamRegistry, module: nn.Module, na
             regs = tuple(owner for _, owner in owners[id(param)])
             slots.append(ParamSlot(param, qualified, torch.Size(shape), layout.offsets[index], piece, regs))
         buffer = FlatBuffer(ctx, layout, local, slots, requires_grad, reduce_dtype if requires_grad else None,
-                            label=name, offloaded=offload)
+                            label=name, offload=offload)
         buffer.initialized = not on_meta
         registry.add(buffer)
         buffers.append(buffer)

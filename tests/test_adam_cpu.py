@@ -327,7 +327,7 @@ def test_concurrent_callers_get_correct_results() -> None:
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_worker_pool_survives_fork() -> None:
     # The parent's pool has a worker; a forked child has none of its threads and must start its own. The child
-    # runs nothing of torch's but the checks in ops.py (torch's own OpenMP pool can hang after a fork).
+    # runs nothing of torch's but the checks in bmtwrap.ops (torch's own OpenMP pool can hang after a fork).
     numel = 300_000
     grads = make_grads(numel, 2, torch.float32)
     expected, state = make_state(numel), make_state(numel)
@@ -355,7 +355,7 @@ def test_unsupported_isa_raises() -> None:
 
 
 def test_fallback_without_extension_warns_once(monkeypatch: pytest.MonkeyPatch, fresh_fallback_warning: None) -> None:
-    monkeypatch.setattr(ops, "_C", None)
+    monkeypatch.setattr(ops._ext, "_C", None)
     grads = make_grads(1000, 3, torch.bfloat16)
     ours, expected = make_state(1000), make_state(1000)
     out = torch.empty(1000, dtype=torch.float16)
@@ -453,7 +453,7 @@ def test_num_threads_argument() -> None:
 
 
 def test_host_zeros_are_zero_and_writable() -> None:
-    from bmtwrap.optim.offload import host_zeros
+    from bmtwrap.offload import host_zeros
 
     tensor = host_zeros(3 << 20)  # past two huge pages: the advice path runs
     assert tensor.dtype == torch.float32 and tensor.numel() == 3 << 20 and not tensor.any()

@@ -57,7 +57,7 @@ ADAM = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
 @pytest.fixture
 def fresh_fallback_warning() -> Iterator[None]:
-    """Forget which fallback warnings ops.py gave, so that this test sees its own."""
+    """Forget which fallback warnings bmtwrap.ops gave, so that this test sees its own."""
     ops._warn_fallback.cache_clear()
     yield
     ops._warn_fallback.cache_clear()
@@ -274,7 +274,7 @@ def test_adam_on_another_device(device: str) -> None:
 def test_adam_fallback_when_built_without_cuda(
     device: str, monkeypatch: pytest.MonkeyPatch, fresh_fallback_warning: None
 ) -> None:
-    monkeypatch.setattr(ops, "_C", types.SimpleNamespace(has_cuda=lambda: False))
+    monkeypatch.setattr(ops._ext, "_C", types.SimpleNamespace(has_cuda=lambda: False))
     param, exp_avg, exp_avg_sq = adam_state(1000, seed=10, device=device)
     ref = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
     grad = random_grad(1000, torch.float16, seed=11, device=device)
@@ -513,7 +513,7 @@ def test_cross_entropy_on_another_device(device: str) -> None:
 def test_cross_entropy_fallback_when_built_without_cuda(
     device: str, monkeypatch: pytest.MonkeyPatch, fresh_fallback_warning: None
 ) -> None:
-    monkeypatch.setattr(ops, "_C", types.SimpleNamespace(has_cuda=lambda: False))
+    monkeypatch.setattr(ops._ext, "_C", types.SimpleNamespace(has_cuda=lambda: False))
     logits, targets = ce_inputs(64, 1000, torch.float16, device, seed=10)
     grad_rows = ce_grad_rows(targets, seed=10)
     with pytest.warns(RuntimeWarning, match="built without CUDA kernels"):
@@ -538,7 +538,7 @@ def test_cross_entropy_cpu_runs_the_reference_silently(dtype: torch.dtype, V: in
 
 
 def test_cross_entropy_cpu_without_extension_is_silent(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ops, "_C", None)
+    monkeypatch.setattr(ops._ext, "_C", None)
     logits, targets = ce_inputs(16, 50, torch.bfloat16, "cpu", seed=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

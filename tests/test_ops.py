@@ -43,7 +43,7 @@ def from_bits(bits: list[int], dtype: torch.dtype, device: str) -> torch.Tensor:
 
 @pytest.fixture
 def fresh_fallback_warning() -> Iterator[None]:
-    """Forget which fallback warnings ops.py gave, so that this test sees its own."""
+    """Forget which fallback warnings bmtwrap.ops gave, so that this test sees its own."""
     ops._warn_fallback.cache_clear()
     yield
     ops._warn_fallback.cache_clear()
@@ -184,7 +184,7 @@ def test_bad_flag_raises(device: str) -> None:
 def test_fallback_without_extension_warns_once(
     device: str, monkeypatch: pytest.MonkeyPatch, fresh_fallback_warning: None
 ) -> None:
-    monkeypatch.setattr(ops, "_C", None)
+    monkeypatch.setattr(ops._ext, "_C", None)
     poisoned = random_tensor(1000, torch.bfloat16, device)
     poisoned[-1] = float("nan")
     expected = r"compiled extension bmtwrap._C is missing.*pip install --no-build-isolation -e \."
@@ -258,7 +258,7 @@ def test_cuda_tensor_on_another_device(device: str) -> None:
 def test_cuda_fallback_when_built_without_cuda(
     device: str, monkeypatch: pytest.MonkeyPatch, fresh_fallback_warning: None
 ) -> None:
-    monkeypatch.setattr(ops, "_C", types.SimpleNamespace(has_cuda=lambda: False))
+    monkeypatch.setattr(ops._ext, "_C", types.SimpleNamespace(has_cuda=lambda: False))
     poisoned = torch.randn(1000, device=device)
     poisoned[3] = float("nan")
     with pytest.warns(RuntimeWarning, match="built without CUDA kernels"):

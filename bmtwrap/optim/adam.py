@@ -20,8 +20,8 @@ from torch.autograd.graph import increment_version
 from .. import ops
 from ..dist import is_initialized
 from ..group import ROOT_LABEL
+from ..offload import DEFAULT_CHUNK_NUMEL, DEFAULT_SLOTS, OffloadPolicy, host_zeros
 from ..schedule import engine
-from .offload import DEFAULT_CHUNK_NUMEL, DEFAULT_SLOTS, host_zeros
 
 __all__ = ["AdamOffloadOptimizer", "AdamOptimizer"]
 
@@ -34,7 +34,7 @@ def _check_params(params: List[torch.Tensor], who: str) -> None:
     # The CPU may join one accelerator only with shards offloaded there by wrap(offload_params=True).
     accelerators = {d for d in devices if d.type != "cpu"}
     registry = engine().registry if is_initialized() else None
-    stray = accelerators and any(p.device.type == "cpu" and not _offloaded(registry, p) for p in params)
+    stray = accelerators and any(p.device.type == "cpu" and not _offload_policy(registry, p).params for p in params)
     if len(accelerators) > 1 or stray or any(d.type == "meta" for d in devices):
         raise ValueError(f"{who}: parameters are on {sorted(map(str, devices))}; an optimizer takes parameters "
                          "on one device (the GPU, or the CPU when there is none; beside the GPU, only shards "
@@ -52,9 +52,10 @@ def _check_params(params: List[torch.Tensor], who: str) -> None:
         )
 
 
-def _offloaded(registry: Any, param: torch.Tensor) -> bool:
+def _offload_policy(registry: Any, param: torch.Tensor) -> OffloadPolicy:
+    """What the flat buffer holding ``param`` keeps on the host; nothing for a parameter outside every buffer."""
     found = registry.lookup(param) if registry is not None else None
-    return found is not None and found[0].offloaded
+    return found[0].offload if found is not None else OffloadPolicy()
 
 
 def _update_in_place(p: torch.Tensor, state: Dict[str, Any], hyper: Dict[str, Any]) -> None:
@@ -265,22 +266,23 @@ class AdamOffloadOptimizer(_AdamBase):
         if not 0.0 <= offload_fraction <= 1.0:
             raise ValueError(f"AdamOffloadOptimizer: offload_fraction must be in [0, 1], got {offload_fraction!r}")
         super().__init__(params, lr, betas, eps, weight_decay, decoupled, master_dtype, "AdamOffloadOptimizer")
-        device = next(p.device for g in self.param_groups for p in g["params"])
-        if device.type == "cpu" and is_initialized():
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        registry = engine().registry if is_initialized() else None
+        device = all_params[0].device
+        if any(_offload_policy(registry, p).params for p in all_params):
             # Parameters offloaded to the host by wrap(offload_params=True) get their gradients from
-            # the GPU: the queue orders its reads after those copies.
+            # the device the model computes on: the queue orders its reads after those copies.
             device = engine().ctx.device
         if cpu_threads is None and device.type == "cuda":
             # Leave a core to the training loop's own thread: starved, it launches GPU work late.
             cpu_threads = max(1, torch.get_num_threads() - 1)
-        dtypes = {p.dtype for g in self.param_groups for p in g["params"]}
+        dtypes = {p.dtype for p in all_params}
         self._offload = ops.OffloadQueue(device, dtypes=dtypes, chunk_numel=chunk_numel, slots=staging_slots,
                                          num_threads=cpu_threads)
         # Forward order: parameters outside blocks (gathered first, with the root) go first, then
         # the optimizer's own order, which is the model's.
         self._priority: Dict[int, int] = {}
         self._group_of: Dict[int, Dict[str, Any]] = {}
-        registry = engine().registry if is_initialized() else None
         for group in self.param_groups:
             for p in group["params"]:
                 found = registry.lookup(p) if registry is not None else None

@@ -37,6 +37,7 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Set, Tuple, Union
 import torch
 from torch import nn
 
+from ..offload import DEFAULT_CHUNK_NUMEL, DEFAULT_SLOTS
 from ..param import build_layout
 from .detect import LayerPolicy, find_blocks
 
@@ -69,8 +70,8 @@ class OffloadOptions:
     optimizer: bool = False
     fraction: float = 1.0
     params: bool = False
-    chunk_numel: int = 16 * 1024 * 1024
-    staging_slots: int = 4
+    chunk_numel: int = DEFAULT_CHUNK_NUMEL
+    staging_slots: int = DEFAULT_SLOTS
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,99 @@
+"""Offload in one place: what a flat buffer keeps on the host, the host memory it lives in, and the sizes of
+the optimizer's staging.
+
+[Note: what is offloaded, and who reads it]
+Two things can move to the host, independently:
+- the parameter shards of the blocks, and their gradients (``wrap(offload_params=True)``,
+  ``Block(offload_params=True)``). The choice is an :class:`OffloadPolicy`, held by every flat buffer
+  (``group.FlatBuffer.offload``), which allocates its shard through :meth:`OffloadPolicy.new_shard`; how
+  gathers and gradient copies cross to and from the host is [Note: offloaded shards] in ``group.py``.
+  ``AdamOffloadOptimizer`` reads the policy from the buffer of each parameter rather than guessing from
+  devices: a shard kept on the host is always updated there.
+- Adam's fp32 master and moments (``AdamOffloadOptimizer``), in :func:`host_zeros` memory. The pipeline
+  that updates them (gradients to the host, Adam there, parameters back, all on a C++ worker thread) is
+  ``ops.OffloadQueue``, with ``DEFAULT_SLOTS`` pinned staging chunks of ``DEFAULT_CHUNK_NUMEL`` elements;
+  see [Note: offload queue] in ``csrc/cpu/offload.cpp``.
+
+This module depends on torch alone: the engine (``group.py``) and the optimizers import it, never the
+other way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["DEFAULT_CHUNK_NUMEL", "DEFAULT_SLOTS", "OffloadPolicy", "advise_huge_pages", "host_empty", "host_zeros"]
+
+# Chunks of 16 Mi elements: 32 MiB of bf16 gradient, a few milliseconds of CPU Adam; large enough
+# that per-chunk overheads vanish, small enough that the first chunk of a step starts early.
+DEFAULT_CHUNK_NUMEL = 16 * 1024 * 1024
+DEFAULT_SLOTS = 4
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # linux/mman.h
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """What one flat buffer (a block's or the root's parameters of one dtype) keeps in host memory.
+
+    Example::
+
+        policy = OffloadPolicy(params=True)
+        shard = policy.new_shard(1024, torch.bfloat16, torch.device("cuda", 0), zeroed=True)  # pinned, on the host
+    """
+
+    params: bool = False
+    """Keep the parameter shard, and the reduced gradient shards, in pinned host memory while the model
+    computes on the GPU (the GPU holds the parameters only while they are gathered). Default False: the
+    shard lives on the device the model computes on."""
+
+    def new_shard(self, numel: int, dtype: torch.dtype, compute: torch.device, *, zeroed: bool) -> torch.Tensor:
+        """A flat shard of ``numel`` elements where this policy keeps it.
+
+        Args:
+            numel: elements of the shard.
+            dtype: its dtype.
+            compute: the device the model computes on; the shard goes there, or to the host, pinned for
+                asynchronous copies when ``compute`` is a CUDA device.
+            zeroed: zeros; False leaves it uninitialised (a model built on the meta device, to be filled by
+                materialisation or loading).
+        """
+        device = torch.device("cpu") if self.params else compute
+        return (torch.zeros if zeroed else torch.empty)(numel, dtype=dtype, device=device,
+                                                        pin_memory=self.params and compute.type == "cuda")
+
+
+def host_empty(numel: int, dtype: torch.dtype, *, pinned: bool) -> torch.Tensor:
+    """An uninitialised 1-D CPU tensor, ``pinned`` (page-locked) where copies between it and a GPU must run
+    asynchronously: from pageable memory they would block the host."""
+    return torch.empty(numel, dtype=dtype, pin_memory=pinned)
+
+
+def host_zeros(numel: int) -> torch.Tensor:
+    """An fp32 CPU tensor of zeros, backed by transparent huge pages where the kernel allows.
+
+    The Adam update streams through gigabytes of state; on 4 KiB pages the hardware prefetcher
+    stops at every page boundary and the TLB misses often. The advice is given before the first
+    touch, so the pages are huge from the start (where THP is "madvise" or "always").
+    """
+    tensor = torch.empty(numel, dtype=torch.float32)
+    advise_huge_pages(tensor)
+    return tensor.zero_()
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> None:
+    """Ask Linux to back ``tensor``'s whole 2 MiB pages with huge pages (effective before first touch)."""
+    if not sys.platform.startswith("linux") or tensor.nbytes < 2 * _HUGE_PAGE:
+        return
+    start = -(-tensor.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+    end = (tensor.data_ptr() + tensor.nbytes) // _HUGE_PAGE * _HUGE_PAGE
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
+    except (OSError, AttributeError):
+        pass  # advice only: without it the memory works the same, a little slower
