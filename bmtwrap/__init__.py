@@ -3,13 +3,42 @@
 Public names only; see each one's docstring. A BMTrain program runs after ``import bmtwrap as bmt``.
 """
 
+# Module map: one concept per file. Imports flow one way (A ← B: B imports A, never the reverse):
+#   engine ← BMTrain API ← wrap ← checkpoint / optim front ends
+# Each file below imports only files listed above it; a layer may skip the ones between (optim
+# imports the engine directly).
+#
+# engine
+#   dist.py          DistContext: the process group, device and copy streams of this process
+#   param.py         DistributedParameter and the shard arithmetic (FlatLayout, LocalPiece)
+#   collectives.py   all-gather, reduce-scatter, all-reduce: one free function each
+#   offload.py       what a flat buffer keeps on the host, and the host memory it lives in
+#   ops/             checked entry points to the compiled kernels (the only importer of _C)
+#   group.py         the communication unit: flat buffers, ShardState, gather/release/reduce-scatter
+#   schedule.py      the Engine (per-process run-time state, TrainingState, reductions in flight) and
+#                    the Schedule: execution order, prefetch policy, in-flight reduction bound
+#   runners.py       BlockRunner (a module run as a block), RootRunner (the root group around a
+#                    forward), BlockModule (the mark of a module that holds its own runner)
+#   full_state.py    full-shaped state: the load hook, full_state_dict, full_grad_dict
+# BMTrain API: thin classes over the runners
+#   block.py         Block / CheckpointBlock
+#   blocklist.py     TransformerBlockList
+#   module.py        DistributedModule (the root of a hand-written model), init_parameters
+# wrap/              the converter: detect.py, plan.py, adapters.py, convert.py (wrap, plan, materialize);
+#                    it reaches the engine directly, never through the BMTrain classes
+# front ends
+#   optim/           AdamOptimizer, AdamOffloadOptimizer, OptimManager (import the engine only)
+#   checkpoint/      full, sharded and Hugging Face checkpoints (import wrap, optim and the engine)
+#   loss.py, lr_scheduler.py, hf.py (Trainer), __main__.py (the CLI)
+
 from . import loss, lr_scheduler, optim
 from .block import Block, CheckpointBlock
 from .blocklist import TransformerBlockList
 from .checkpoint import (CheckpointInfo, from_pretrained, load, load_checkpoint, load_pretrained, load_state_dict, save,
                          save_checkpoint, save_pretrained)
 from .dist import init_distributed, print_rank, rank, sum_loss, synchronize, world_size
-from .module import DistributedModule, full_grad_dict, full_state_dict, init_parameters
+from .full_state import full_grad_dict, full_state_dict
+from .module import DistributedModule, init_parameters
 from .param import DistributedParameter
 from .wrap import WrapPlan, materialize, plan, wrap
 

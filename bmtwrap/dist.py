@@ -13,7 +13,7 @@ import os
 import random
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,15 @@ __all__ = [
     "synchronize",
     "world_size",
 ]
+
+
+class AttachedEngine(Protocol):
+    """What the context knows of the engine it carries: :class:`bmtwrap.schedule.Engine`.
+
+    Declared here because the engine's module sits above this one and imports it.
+    """
+
+    ctx: "DistContext"
 
 
 @dataclass(eq=False)
@@ -55,7 +64,7 @@ class DistContext:
     device: torch.device
     zero_level: int
     seed: int
-    engine: Optional[Any] = field(default=None, repr=False)
+    engine: Optional[AttachedEngine] = field(default=None, repr=False)
     copy_streams: Dict[str, Any] = field(default_factory=dict, repr=False)
 
     def copy_stream(self, direction: str) -> "torch.cuda.Stream":

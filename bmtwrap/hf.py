@@ -49,7 +49,7 @@ from transformers import PreTrainedModel, TrainingArguments
 from . import dist as _dist
 from .checkpoint import load_checkpoint, save, save_checkpoint, save_pretrained
 from .checkpoint.sharded_format import INDEX
-from .module import full_state_dict
+from .full_state import full_state_dict
 from .optim import AdamOffloadOptimizer, AdamOptimizer
 from .optim.optim_manager import grad_norm
 from .wrap import wrap

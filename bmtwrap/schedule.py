@@ -1,36 +1,69 @@
-"""The engine's run-time state: execution order, reductions in flight, the end of backward.
+"""The collective schedule and the engine's run-time state: execution order, prefetch, reductions in flight.
 
 [Note: one step]
-Forward: each block links itself after the block that ran before it (the first time), prefetches
-the block linked after it, gathers its own group and runs. Backward: a block's pre-backward
-hook prefetches the block recorded before it; when its parameters' gradients are ready they are
-reduce-scattered asynchronously, and the oldest reductions beyond ``MAX_PENDING`` are waited for
-(so at most that many full-size gradient buffers live at once). A callback queued on the
-autograd engine runs when the whole backward is done: it waits for every reduction, releases
-whatever is still gathered.
+Forward: each block links itself after the block that ran before it (the first time), asks the
+:class:`Schedule` what to gather (its own group, then the block linked after it), and runs.
+Backward: a block's pre-backward hook asks again (its own group, then the block recorded before
+it); when its parameters' gradients are ready they are reduce-scattered asynchronously, and the
+oldest reductions beyond ``MAX_PENDING`` are waited for (so at most that many full-size gradient
+buffers live at once). A callback queued on the autograd engine runs when the whole backward is
+done: it waits for every reduction, releases whatever is still gathered.
 
 The order only steers prefetching. A step that runs the blocks in another order, skips some, or
 runs one twice still computes the right result: a block that was not prefetched is gathered when
 it runs, and a prefetched block that does not run is released at the end of the step.
+
+[Note: the prefetch policy]
+Every gather the engine issues ahead of need is decided here, in :class:`Schedule`:
+- a root entering a forward: its own group, then the block that first ran first (in flight
+  together with the root's gather);
+- a block starting its forward: its own group, then the block linked after it;
+- a block's pre-backward: its own group, then the block linked before it;
+- under ZeRO-3 the block that runs last in forward keeps its parameters until its backward,
+  which comes first: releasing and gathering them again would only expose a gather.
+So at most the running block's and one neighbour's groups are being gathered at a time. The
+runners (:mod:`bmtwrap.runners`) issue what the schedule returns, in the order returned.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
+import types
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tuple
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Protocol, Tuple
 
 import torch
+from torch import nn
 from torch.autograd import Variable
 
 from .dist import DistContext, current
 from .group import FlatBuffer, ParamGroup, ParamRegistry, PendingReduction
 
-__all__ = ["Engine", "ExecutionOrder", "Linked", "Participant", "engine"]
+__all__ = ["Engine", "ExecutionOrder", "Linked", "Participant", "Schedule", "TrainingState", "WrapRecord", "engine",
+           "in_backward"]
 
 # Reduce-scatters in flight before the oldest is waited for: one overlapping the next block's
 # backward, one more of slack.
 MAX_PENDING = 2
+
+
+def _graph_task() -> int:
+    """The id of the autograd graph task this thread is running; -1 outside backward."""
+    return torch._C._current_graph_task_id()
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (a block's forward is then a recomputation)."""
+    return _graph_task() != -1
+
+
+class TrainingState(enum.Enum):
+    """Where this process is in a training step (see :attr:`Engine.state`)."""
+
+    IDLE = "idle"  # no forward of ours runs and no backward is under way
+    FORWARD = "forward"  # a root entered its forward, or a block's module runs (a recomputation in backward too)
+    BACKWARD = "backward"  # a backward reached our hooks; its end-of-backward callback has not run yet
 
 
 class Participant(Protocol):
@@ -46,6 +79,12 @@ class Linked(Participant, Protocol):
 
     next_block: Optional["Linked"]
     prev_block: Optional["Linked"]
+
+
+class WrapRecord(Protocol):
+    """What :func:`bmtwrap.wrap` made of one model, as the engine keeps it (``wrap.convert.Wrapped``)."""
+
+    model: "weakref.ref[nn.Module]"
 
 
 class ExecutionOrder:
@@ -75,18 +114,64 @@ class ExecutionOrder:
         """A new forward begins: the next block recorded has no predecessor."""
         self._last = None
 
+    def step_seen(self) -> None:
+        """A whole step ended (its backward finished): restart, and the links are now known."""
+        self.restart()
+        self.known = True
+
+
+class Schedule:
+    """When each collective is issued: the order blocks run in, what to gather at each point of a
+    step, and how many reductions may be in flight (see [Note: the prefetch policy]).
+
+    The runners ask it and issue what it returns; none decides on its own, so another schedule
+    is a change of this class alone.
+    """
+
+    def __init__(self) -> None:
+        self.order = ExecutionOrder()
+        self.max_pending_reductions = MAX_PENDING
+
+    def root_gathers(self, root: Participant) -> List[ParamGroup]:
+        """A root enters a forward: its own group, then the block that first ran first."""
+        first = self.order.first
+        return [root.group] if first is None else [root.group, first.group]
+
+    def forward_gathers(self, block: Linked) -> List[ParamGroup]:
+        """``block`` starts its forward: its own group, then the block linked after it."""
+        return self._with_neighbour(block, block.next_block)
+
+    def backward_gathers(self, block: Linked) -> List[ParamGroup]:
+        """``block``'s backward is about to run: its own group, then the block linked before it."""
+        return self._with_neighbour(block, block.prev_block)
+
+    def runs_last(self, block: Linked) -> bool:
+        """Whether ``block`` ran last in the forwards seen, so that its backward runs first (known after a step)."""
+        return self.order.known and block.next_block is None
+
+    @staticmethod
+    def _with_neighbour(block: Linked, neighbour: Optional[Linked]) -> List[ParamGroup]:
+        if neighbour is None or neighbour is block:
+            return [block.group]
+        return [block.group, neighbour.group]
+
 
 class Engine:
-    """Per-process engine state, reached through :func:`engine`."""
+    """Per-process engine state, reached through :func:`engine`.
+
+    Other modules change it through its methods only: :meth:`enter_root`/:meth:`leave_root`,
+    :meth:`enter_block`/:meth:`leave_block`, :meth:`forward_with_grad`, :meth:`backward_started`,
+    :meth:`add_reductions`, :meth:`register_wrapped`, :meth:`next_block_number`.
+    """
 
     def __init__(self, ctx: DistContext) -> None:
         self.ctx = ctx
         self.registry = ParamRegistry()
-        self.order = ExecutionOrder()
-        self.active_root: Optional[Participant] = None
-        self.block_depth = 0  # > 0 while a block's module runs
-        self.blocks_built = 0  # numbers block names, for messages and traces
-        self.wrapped: Dict[int, Any] = {}  # id(model) -> what bmtwrap.wrap made of it (wrap.convert.Wrapped)
+        self.schedule = Schedule()
+        self._active_root: Optional[Participant] = None
+        self._block_depth = 0  # > 0 while a block's module runs
+        self._blocks_built = 0  # numbers block names, for messages and traces
+        self._wrapped: Dict[int, WrapRecord] = {}  # id(model) -> what bmtwrap.wrap made of it
         # Reductions in flight, each with whether it is the buffer's last in this backward.
         self._pending: List[Tuple[PendingReduction, bool]] = []
         # Told of each buffer whose gradient is final for this backward (an optimizer stepping in
@@ -97,20 +182,78 @@ class Engine:
         # Offloaded buffers whose gradients this backward copies to the host (see [Note: offloaded shards]).
         self._host_grads: Dict[int, FlatBuffer] = {}
 
+    @property
+    def state(self) -> TrainingState:
+        """Where this process is in a step.
+
+        Derived, not stored: forward and backward overlap (a checkpointed block recomputes its
+        forward inside backward), so FORWARD, which a running root or block means, comes first.
+        """
+        if self._active_root is not None or self._block_depth > 0:
+            return TrainingState.FORWARD
+        if self._callback_task != -1:
+            return TrainingState.BACKWARD
+        return TrainingState.IDLE
+
+    @property
+    def active_root(self) -> Optional[Participant]:
+        """The root whose forward is running (the outermost one entered), if any."""
+        return self._active_root
+
     # --- forward ---------------------------------------------------------------------------------
+    def enter_root(self, root: Participant) -> None:
+        """IDLE/BACKWARD → FORWARD: ``root`` starts a forward; the next block recorded begins a new order."""
+        assert self.state is not TrainingState.FORWARD, f"rank {self.ctx.rank}: a root entered inside a forward"
+        self._active_root = root
+        self.schedule.order.restart()
+
+    def leave_root(self, root: Participant) -> None:
+        """The forward ``root`` entered has returned."""
+        assert self._active_root is root, f"rank {self.ctx.rank}: a root left a forward it did not enter"
+        self._active_root = None
+
+    def enter_block(self) -> None:
+        """A block's module starts running (FORWARD until the matching :meth:`leave_block`)."""
+        self._block_depth += 1
+
+    def leave_block(self) -> None:
+        assert self._block_depth > 0, f"rank {self.ctx.rank}: a block left more often than blocks entered"
+        self._block_depth -= 1
+
     def forward_with_grad(self, participant: Participant) -> None:
         """``participant`` ran forward with autograd recording; it takes part in the next backward."""
         if not any(p is participant for p in self._in_backward):
             self._in_backward.append(participant)
 
+    def next_block_number(self) -> int:
+        """A new number for a block's name (0, 1, 2, ... in the order blocks are built)."""
+        self._blocks_built += 1
+        return self._blocks_built - 1
+
+    # --- models wrapped by bmtwrap.wrap ----------------------------------------------------------
+    def register_wrapped(self, model: nn.Module, record: WrapRecord) -> None:
+        """Remember what :func:`bmtwrap.wrap` made of ``model`` (so that wrapping again is detected)."""
+        assert record.model() is model, f"rank {self.ctx.rank}: a wrap record of another model"
+        self._wrapped[id(model)] = record
+
+    def wrapped_record(self, model: nn.Module) -> Optional[WrapRecord]:
+        """What :func:`bmtwrap.wrap` made of ``model``; ``None`` if it did not wrap this very object."""
+        record = self._wrapped.get(id(model))
+        return record if record is not None and record.model() is model else None
+
+    @property
+    def wrapped(self) -> Mapping[int, WrapRecord]:
+        """Read-only: ``id(model)`` → its wrap record (prefer :meth:`wrapped_record`, which checks the id's owner)."""
+        return types.MappingProxyType(self._wrapped)
+
     # --- backward --------------------------------------------------------------------------------
     def backward_started(self) -> None:
-        """Called by every backward hook; queues the end-of-backward callback once per pass.
+        """Called by every backward hook; → BACKWARD, queueing the end-of-backward callback once per pass.
 
         Keyed by the graph task, so a backward that raised (and never ran its callback) does not
         stop the next one from queueing its own.
         """
-        task = torch._C._current_graph_task_id()
+        task = _graph_task()
         if task != self._callback_task:
             Variable._execution_engine.queue_callback(self._backward_finished)
             self._callback_task = task
@@ -119,7 +262,7 @@ class Engine:
         """Reductions just issued; ``final``: no more gradient reaches these buffers in this backward."""
         self.backward_started()
         self._pending.extend((reduction, final) for reduction in pending)
-        while len(self._pending) > MAX_PENDING:
+        while len(self._pending) > self.schedule.max_pending_reductions:
             self._finish_oldest()
 
     def finish_reductions(self) -> None:
@@ -159,12 +302,12 @@ class Engine:
                 participant.hide()
 
     def recover_if_stale(self) -> None:
-        """A new forward starts while a backward never finished (it raised, and the caller went on).
+        """BACKWARD → IDLE: a new forward starts while a backward never finished (it raised, the caller went on).
 
         Its reductions are waited for and dropped (the caller has zeroed or will zero the
         gradients; adding them later would corrupt the next step) and its participants released.
         """
-        if self._callback_task == -1 or torch._C._current_graph_task_id() != -1:
+        if self._callback_task == -1 or in_backward():
             return
         pending, self._pending = self._pending, []
         for reduction, _ in pending:
@@ -174,17 +317,17 @@ class Engine:
         for participant in participants:
             participant.backward_done()
         self._callback_task = -1
-        self.order.restart()
+        self.schedule.order.restart()
 
     def _backward_finished(self) -> None:
+        """BACKWARD → IDLE: the autograd engine finished the pass our callback was queued on."""
         self._callback_task = -1
         self.finish_reductions()
         self._wait_host_grads()
         participants, self._in_backward = self._in_backward, []
         for participant in participants:
             participant.backward_done()
-        self.order.restart()
-        self.order.known = True
+        self.schedule.order.step_seen()
 
     def _wait_host_grads(self) -> None:
         """Gradients of offloaded buffers are read on the host after backward: wait for their copies."""
@@ -198,4 +341,6 @@ def engine(ctx: Optional[DistContext] = None) -> Engine:
     ctx = ctx or current()
     if ctx.engine is None:
         ctx.engine = Engine(ctx)
-    return ctx.engine
+    eng = ctx.engine
+    assert isinstance(eng, Engine), f"rank {ctx.rank}: the context holds a {type(eng).__name__}, not an Engine"
+    return eng

@@ -3,7 +3,7 @@
 [Note: what wrap changes]
 - Each block module keeps its class, name and place in the tree; its ``forward`` attribute is set
   on the instance to a function that runs the original forward through a
-  :class:`~bmtwrap.block.BlockRunner` (gather, checkpoint, reduce). ``state_dict()`` keys,
+  :class:`~bmtwrap.runners.BlockRunner` (gather, checkpoint, reduce). ``state_dict()`` keys,
   ``isinstance`` and every other method are unchanged.
 - Every parameter object stays the same Python object; its ``.data`` becomes a 1-D view of this
   rank's piece. So an optimizer built after ``wrap`` sees the shards, and one built before but not
@@ -27,9 +27,9 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import dist as _dist
-from ..block import Block, BlockRunner, shard_full_tensors
+from ..full_state import shard_full_tensors
 from ..group import ROOT_LABEL, ParamGroup, build_group
-from ..module import RootRunner
+from ..runners import BlockModule, BlockRunner, RootRunner
 from ..schedule import engine
 from .adapters import ModelAdapter, adapter_for
 from .detect import LayerPolicy
@@ -52,7 +52,7 @@ class WrapOptions:
 
 @dataclass(eq=False)
 class Wrapped:
-    """What wrap made of one model: kept by the engine so that wrapping again is detected."""
+    """What wrap made of one model: the engine keeps it (a ``schedule.WrapRecord``) to detect wrapping again."""
 
     model: "weakref.ref[nn.Module]"
     options: WrapOptions
@@ -309,7 +309,7 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
                           offload_params)
     if _already_wrapped(model, options) is not None:
         return model
-    if any(isinstance(m, Block) for m in model.modules()):
+    if any(isinstance(m, BlockModule) for m in model.modules()):
         raise ValueError("this model already contains bmtwrap Blocks; wrap a plain model, or use the Blocks as they are")
 
     the_plan, blocks, shared_ids = make_plan(model, ctx.world_size, layers=layers, checkpoint=checkpoint,
@@ -339,13 +339,15 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
         AutoCheckpoint([r for _, r in runners], memory_budget, ctx.device)
     if not _STEP_HOOK:
         _STEP_HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
-    eng.wrapped[id(model)] = Wrapped(weakref.ref(model), options, the_plan, runners, root, adapter, stale)
+    eng.register_wrapped(model, Wrapped(weakref.ref(model), options, the_plan, runners, root, adapter, stale))
     return model
 
 
 def _record(model: nn.Module) -> Optional[Wrapped]:
-    record: Optional[Wrapped] = engine().wrapped.get(id(model))
-    return record if record is not None and record.model() is model else None
+    eng = engine()
+    record = eng.wrapped_record(model)
+    assert record is None or isinstance(record, Wrapped), f"rank {eng.ctx.rank}: a {type(record).__name__} as wrap record"
+    return record
 
 
 @torch.no_grad()

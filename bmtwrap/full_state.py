@@ -1,0 +1,126 @@
+"""Full-shaped state of a sharded model: full tensors in (a load hook), gathered tensors out.
+
+A sharded model's own ``state_dict()`` holds this rank's pieces. These are the engine's helpers
+that cross between pieces and full shapes for whole models:
+
+- :func:`shard_full_tensors`, a load-state-dict pre-hook: a full-shaped tensor given for a sharded
+  parameter is cut to this rank's piece, so ``load_state_dict`` takes the unwrapped model's state;
+- :func:`full_state_dict` and :func:`full_grad_dict`: every parameter (or gradient) gathered to its
+  full shape, under the unwrapped model's keys. They are collectives.
+
+Streaming a model to or from a file one buffer at a time is :mod:`bmtwrap.checkpoint`'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .collectives import all_gather
+from .group import FlatBuffer, ShardState
+from .schedule import engine
+
+__all__ = ["full_grad_dict", "full_state_dict", "shard_full_tensors"]
+
+
+def shard_full_tensors(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any,
+                       strict: bool, missing_keys: List[str], unexpected_keys: List[str], error_msgs: List[str]) -> None:
+    """Load-state-dict pre-hook: a full-shaped tensor for a sharded parameter becomes this rank's piece.
+
+    So ``model.load_state_dict(unwrapped_state_dict)`` works on a sharded model, as it does in
+    BMTrain. Pieces (what ``state_dict()`` of a sharded model holds) pass through unchanged.
+    """
+    eng = engine()
+    named = module.named_parameters(prefix=prefix[:-1], remove_duplicate=False)
+    for key, param in named:
+        if key not in state_dict or not eng.registry.is_sharded(param):
+            continue
+        buffer, index = eng.registry.buffer_of(eng.ctx, param)
+        slot = buffer.slots[index]
+        value = state_dict[key]
+        if tuple(value.shape) == tuple(slot.shape):
+            state_dict[key] = value.reshape(-1)[slot.piece.param_start : slot.piece.param_end]
+            buffer.initialized = True
+        elif tuple(value.shape) != tuple(param.shape):
+            error_msgs.append(f"size mismatch for {key.replace('_module.', '')}: the checkpoint has shape "
+                              f"{tuple(value.shape)}, the model {tuple(slot.shape)}")
+            state_dict[key] = param.detach()  # reported above; keep torch from reporting the local shape too
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module, *, with_buffers: bool = True,
+                    select: Optional[Callable[[str], bool]] = None) -> Dict[str, torch.Tensor]:
+    """The model's state dict with every sharded parameter gathered to its full shape.
+
+    A collective: every rank must call it; every rank gets the whole result. Keys are the
+    unwrapped model's (a :class:`~bmtwrap.Block` adds no ``_module.`` level).
+
+    Args:
+        model: a model sharded by bmtwrap (or any module: unsharded tensors are copied).
+        with_buffers: include buffers as well as parameters.
+        select: keep only the keys for which it returns ``True``; only the flat buffers holding
+            such keys are gathered (e.g. the trainable adapters of a frozen model, without
+            gathering the model). Every rank must pass the same selection.
+
+    Example::
+
+        adapters = bmt.full_state_dict(model, select=lambda key: "lora_" in key)
+    """
+    eng = engine()
+    entries = model.state_dict(keep_vars=True)
+    if select is not None:
+        entries = {name: value for name, value in entries.items() if select(name)}
+    # Each flat buffer is gathered once for all of its parameters (in the same order on every rank).
+    by_buffer: Dict[int, Tuple[FlatBuffer, List[Tuple[str, int]]]] = {}
+    for name, value in entries.items():
+        if isinstance(value, nn.Parameter) and eng.registry.is_sharded(value):
+            buffer, index = eng.registry.buffer_of(eng.ctx, value)
+            by_buffer.setdefault(id(buffer), (buffer, []))[1].append((name, index))
+    gathered: Dict[str, torch.Tensor] = {}
+    for buffer, names in by_buffer.values():
+        was = buffer.state
+        buffer.ensure_gathered()
+        for name, index in names:
+            slot = buffer.slots[index]
+            gathered[name] = buffer.full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+        if was is ShardState.SHARDED:
+            buffer.release()
+    out: Dict[str, torch.Tensor] = {}
+    for name, value in entries.items():
+        if name in gathered:
+            out[name] = gathered[name]
+        elif isinstance(value, nn.Parameter) or with_buffers:
+            out[name] = value.detach().clone()
+    return out
+
+
+@torch.no_grad()
+def full_grad_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """Every parameter's gradient at its full shape (zeros where no rank holds one).
+
+    A collective: every rank must call it; every rank gets the whole result. Keys are parameter
+    names as the unwrapped model has them.
+    """
+    eng = engine()
+    ctx = eng.ctx
+    gathered: Dict[int, torch.Tensor] = {}
+    out: Dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        key = ".".join(part for part in name.split(".") if part != "_module")
+        if not eng.registry.is_sharded(param):
+            out[key] = param.grad.detach().clone() if param.grad is not None else torch.zeros_like(param)
+            continue
+        buffer, index = eng.registry.buffer_of(ctx, param)
+        if id(buffer) not in gathered:
+            shard = torch.zeros(buffer.layout.shard_size, dtype=buffer.dtype, device=ctx.device)
+            for slot in buffer.slots:
+                if slot.param.grad is not None:
+                    shard[slot.piece.shard_start : slot.piece.shard_end] = slot.param.grad
+            full = torch.empty(buffer.layout.padded_total, dtype=buffer.dtype, device=shard.device)
+            all_gather(ctx, full, shard).wait()
+            gathered[id(buffer)] = full
+        slot = buffer.slots[index]
+        out[key] = gathered[id(buffer)][slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+    return out

@@ -1,0 +1,324 @@
+"""The engine's runners: a module run as a ZeRO block, and a model's root group around its forward.
+
+Both work on any module and leave the module tree untouched, so the converter uses them in place
+(:func:`bmtwrap.wrap`) and BMTrain's classes wrap them (:class:`bmtwrap.Block`,
+:class:`bmtwrap.DistributedModule`). What to gather when is the schedule's to say
+(:class:`bmtwrap.schedule.Schedule`); the runners issue it.
+
+[Note: block lifetime in a step]
+forward:  record order → prefetch what the schedule names (own group, next block) → gather own
+          group → run the module (under activation checkpointing, or with saved-tensor hooks when
+          ZeRO-3 frees parameters that backward still needs) → ZeRO-3: release; ZeRO-2: keep
+          until backward.
+backward: pre-backward (hook on the outputs) → gather what the schedule names (own group, the
+          block before) → recompute / backward of the module → the parameters' full gradients
+          arrive in ``_Unshard.backward`` → reduce-scatter, asynchronously → once the inputs'
+          gradients are also done, release the group. The end-of-backward callback releases any
+          stragglers.
+
+[Note: the root group]
+Parameters outside blocks (embeddings, a final norm, an LM head) are used in ways blocks cannot
+predict: a tied embedding is read by the input lookup and again by the output projection, often
+from another module's code. So they are gathered once, when the model's outermost forward starts
+(the outermost :class:`~bmtwrap.DistributedModule`, or an entry point of a wrapped model), stay
+visible in full to every module for the whole forward, and are released after backward (or at the
+end of the forward when nothing records gradients). Plain ``nn.Parameter`` objects outside blocks
+of a hand-written model are not sharded: they are replicated, and their gradients are averaged
+over ranks as they arrive, as DDP does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import checkpoint
+
+from . import dist as _dist
+from .collectives import all_reduce_mean
+from .group import ParamGroup, PendingReduction, build_group
+from .schedule import Engine, TrainingState, engine, in_backward
+
+__all__ = ["BlockModule", "BlockRunner", "RootRunner"]
+
+
+def _grad_tensors(tree: Any) -> Tuple[List[Any], Any, List[int]]:
+    leaves, spec = pytree.tree_flatten(tree)
+    wanted = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+    return leaves, spec, wanted
+
+
+def _route_through(callback: Callable[[], None], tree: Any) -> Tuple[Any, bool]:
+    """Pass every grad-requiring tensor of ``tree`` through one identity node whose backward calls ``callback``.
+
+    Returns the new tree and whether any tensor needed it (the hook then exists and will fire).
+    """
+    leaves, spec, wanted = _grad_tensors(tree)
+    if not wanted:
+        return tree, False
+    routed = _BackwardHook.apply(callback, *[leaves[i] for i in wanted])
+    for i, tensor in zip(wanted, routed):
+        leaves[i] = tensor
+    return pytree.tree_unflatten(leaves, spec), True
+
+
+class _BackwardHook(torch.autograd.Function):
+    """Identity on some tensors; its backward calls a callback once their gradients are all in.
+
+    On a block's outputs it runs before the block's own backward (pre-backward); on its inputs,
+    once the inputs' gradients are done (post-backward).
+    """
+
+    @staticmethod
+    def forward(ctx, callback: Callable[[], None], *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        ctx.callback = callback
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        ctx.callback()
+        return (None,) + grads
+
+
+class BlockRunner:
+    """Runs one module as a ZeRO block (see [Note: block lifetime in a step]).
+
+    Args:
+        module: the module whose parameters become this block's group; its tree is unchanged.
+        name: for messages and plans.
+        use_checkpoint: recompute activations in backward instead of keeping them.
+        zero_level: 3 releases gathered parameters after forward, 2 keeps them until backward;
+            ``None`` takes :func:`bmtwrap.init_distributed`'s default.
+        reduce_dtype: dtype gradients are reduced in; default: the parameters' dtype.
+        exclude: ids of parameters under ``module`` that another group owns.
+        allow_meta: accept parameters on the meta device (their shards start uninitialised).
+        offload_params: keep the shards in pinned host memory (see [Note: offloaded shards]).
+    """
+
+    def __init__(self, module: nn.Module, name: str, *, use_checkpoint: bool = True,
+                 zero_level: Optional[int] = None, reduce_dtype: Optional[torch.dtype] = None,
+                 exclude: Iterable[int] = (), allow_meta: bool = False, offload_params: bool = False) -> None:
+        ctx = _dist.current()
+        if zero_level is None:
+            zero_level = ctx.zero_level
+        if zero_level not in (2, 3):
+            raise ValueError(f"zero_level must be 2 or 3, got {zero_level!r}")
+        self.name = name
+        self.use_checkpoint = use_checkpoint
+        self.zero_level = zero_level
+        self._engine: Engine = engine(ctx)
+        exclude = set(exclude)
+        self.group: ParamGroup = build_group(ctx, self._engine.registry, module, name, self._reduced, reduce_dtype,
+                                             exclude=exclude, allow_meta=allow_meta, offload=offload_params)
+        # Parameters under this module that another group (the root) owns: shared or tied weights.
+        self.reads_foreign = any(id(p) in exclude for p in module.parameters())
+        # Told the bytes a recomputation kept alive (checkpoint="auto" measures with it); CUDA only.
+        self.activation_probe: Optional[Callable[["BlockRunner", int], None]] = None
+        self.next_block: Optional[BlockRunner] = None  # execution-order links (schedule.ExecutionOrder)
+        self.prev_block: Optional[BlockRunner] = None
+        # Backward events still expected from the forwards since the last backward (see _maybe_release).
+        self._awaiting_inputs = 0
+        self._awaiting_params = 0
+
+    def __repr__(self) -> str:
+        return f"BlockRunner({self.name})"
+
+    # --- forward -----------------------------------------------------------------------------------
+    def run(self, call: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """Run ``call(*args, **kwargs)`` (the module's own forward) as this block."""
+        eng = self._engine
+        eng.recover_if_stale()
+        eng.schedule.order.record(self)
+        for group in eng.schedule.forward_gathers(self):
+            group.prefetch()
+
+        recording = torch.is_grad_enabled()
+        if recording:
+            (args, kwargs), inputs_need_grad = _route_through(self.inputs_done, (args, kwargs))
+            self._awaiting_inputs += int(inputs_need_grad)
+            self._awaiting_params += int(self.group.trainable)
+            eng.forward_with_grad(self)
+
+        eng.enter_block()
+        try:
+            if recording and self.use_checkpoint:
+                out = checkpoint(self._body, call, args, kwargs, use_reentrant=False)
+            elif recording and self.zero_level == 3:
+                with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                    out = self._body(call, args, kwargs)
+            else:
+                out = self._body(call, args, kwargs)
+        finally:
+            eng.leave_block()
+
+        if recording:
+            out, _ = _route_through(self.pre_backward, out)
+        # ZeRO-3 frees the parameters until backward, except those of the block the schedule runs
+        # last (see [Note: the prefetch policy]).
+        if not recording or (self.zero_level == 3 and not eng.schedule.runs_last(self)):
+            self.group.release()
+        return out
+
+    def _body(self, call: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        if self.reads_foreign and in_backward():
+            # Recomputing in backward: the root has swapped its full views out since forward.
+            with self._engine.roots_shown():
+                return self._run_module(call, args, kwargs)
+        return self._run_module(call, args, kwargs)
+
+    def _run_module(self, call: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        views = self.group.unshard()
+        self.group.swap_in(views)
+        try:
+            with record_function(f"bmtwrap.forward:{self.name}"):
+                if self.activation_probe is not None and in_backward():
+                    return self._measured(call, args, kwargs)
+                return call(*args, **kwargs)
+        finally:
+            self.group.swap_out()
+
+    def _measured(self, call: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        # Inside backward this is the recomputation: what it allocates and keeps is the block's activations.
+        # Checkpointing stops the recomputation by raising once the last saved tensor is rebuilt, so
+        # report from `finally`: by then every activation backward needs is allocated.
+        device = self._engine.ctx.device
+        before = torch.cuda.memory_allocated(device)
+        try:
+            return call(*args, **kwargs)
+        finally:
+            self.activation_probe(self, torch.cuda.memory_allocated(device) - before)
+
+    # Saved-tensor hooks for blocks that are not checkpointed under ZeRO-3: a saved view of the
+    # gathered parameters is remembered with its group, and the group is gathered again into the
+    # same storage before backward reads it (see [Note: gathered views] in group.py).
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        if self.group.owns_storage(tensor):
+            return _SavedParameterView(tensor)
+        return tensor
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if isinstance(saved, _SavedParameterView):
+            self.group.ensure_gathered()
+            return saved.tensor
+        return saved
+
+    # --- backward ----------------------------------------------------------------------------------
+    def pre_backward(self) -> None:
+        eng = self._engine
+        eng.backward_started()
+        for group in eng.schedule.backward_gathers(self):
+            group.prefetch()
+
+    def _reduced(self, group: ParamGroup, pending: List[PendingReduction]) -> None:
+        self._awaiting_params = max(0, self._awaiting_params - 1)
+        self._engine.add_reductions(pending, final=self._awaiting_params == 0)
+        self._maybe_release()
+
+    def inputs_done(self) -> None:
+        self._engine.backward_started()
+        self._awaiting_inputs = max(0, self._awaiting_inputs - 1)
+        self._maybe_release()
+
+    def _maybe_release(self) -> None:
+        # Parameters are needed until both the inputs' and the parameters' gradients of every
+        # outstanding forward are computed; only then can no backward node of this block read them.
+        if self._awaiting_inputs == 0 and self._awaiting_params == 0:
+            self.group.release()
+
+    def backward_done(self) -> None:
+        self._awaiting_inputs = 0
+        self._awaiting_params = 0
+        self.group.release()
+
+
+class _SavedParameterView:
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class BlockModule(nn.Module):
+    """A module that runs itself as one block through its own :class:`BlockRunner` (:class:`bmtwrap.Block`).
+
+    The engine's mark of such modules, so that code that must not import the BMTrain classes can
+    recognise them: :func:`bmtwrap.wrap` refuses a model that contains one (its parameters are
+    sharded already), and a root leaves their parameters to them.
+    """
+
+    @property
+    def runner(self) -> BlockRunner:
+        """The engine's side of this block: its parameter group, checkpointing and prefetch links."""
+        raise NotImplementedError(f"{type(self).__name__} must define its runner")
+
+
+class RootRunner:
+    """Gathers a model's root group around its outermost forward (see [Note: the root group]).
+
+    ``replicated`` parameters are not sharded; their gradients are averaged over ranks as they
+    arrive.
+    """
+
+    def __init__(self, eng: Engine, group: ParamGroup, replicated: List[nn.Parameter]) -> None:
+        self._engine = eng
+        self.group = group
+        group.on_reduce = self._reduced
+        if eng.ctx.world_size > 1:
+            for param in replicated:
+                if param.requires_grad:
+                    param.register_hook(self._average_replicated)
+
+    def _average_replicated(self, grad: torch.Tensor) -> torch.Tensor:
+        averaged = grad.clone()
+        all_reduce_mean(self._engine.ctx, averaged).wait()
+        return averaged
+
+    def enter(self) -> bool:
+        """Start of a forward: gather and show full parameters, unless a root or block is running."""
+        eng = self._engine
+        if eng.state is TrainingState.FORWARD:
+            return False
+        eng.recover_if_stale()
+        eng.enter_root(self)
+        for group in eng.schedule.root_gathers(self):  # the first block's gather in flight with the root's
+            group.prefetch()
+        self.group.ensure_gathered()
+        self.group.swap_in(self.group.unshard())
+        if torch.is_grad_enabled():
+            # Even a frozen root stays gathered until backward ends: backward reads its weights to
+            # pass gradients down (a frozen LM head above trainable adapters).
+            eng.forward_with_grad(self)
+        return True
+
+    def exit(self) -> None:
+        """End of the forward this root entered."""
+        if self._engine.active_root is not self:
+            return
+        self._engine.leave_root(self)
+        self.group.swap_out()
+        if not torch.is_grad_enabled():
+            self.group.release()
+
+    def _reduced(self, group: ParamGroup, pending: List[PendingReduction]) -> None:
+        self._engine.add_reductions(pending)
+
+    def show_for_recompute(self) -> bool:
+        """Show full views again while a block that reads root parameters recomputes in backward.
+
+        Detached: the recomputation only rebuilds saved values; gradients flow through the graph
+        recorded in forward. ``requires_grad`` matches so the same tensors are saved.
+        """
+        if not self.group.gathered:
+            return False
+        views = [view for buffer in self.group.buffers for view in buffer.views()]
+        self.group.swap_in([v.detach().requires_grad_(s.param.requires_grad) for v, s in zip(views, self.group.slots)])
+        return True
+
+    def hide(self) -> None:
+        self.group.swap_out()
+
+    def backward_done(self) -> None:
+        self.group.release()
