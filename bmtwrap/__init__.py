@@ -15,6 +15,7 @@ Public names only; see each one's docstring. A BMTrain program runs after ``impo
 #   offload.py       what a flat buffer keeps on the host, and the host memory it lives in
 #   ops/             checked entry points to the compiled kernels (the only importer of _C)
 #   group.py         the communication unit: flat buffers, ShardState, gather/release/reduce-scatter
+#   shard.py         sharding a module's parameters into a group (build_group, lone_group)
 #   schedule.py      the Engine (per-process run-time state, TrainingState, reductions in flight) and
 #                    the Schedule: execution order, prefetch policy, in-flight reduction bound
 #   runners.py       BlockRunner (a module run as a block), RootRunner (the root group around a

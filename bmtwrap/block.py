@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .full_state import shard_full_tensors
+from .offload import OffloadPolicy
 from .runners import BlockModule, BlockRunner
 from .schedule import engine
 
@@ -79,8 +80,9 @@ class Block(BlockModule):
             raise TypeError("Block got a Block; a module is wrapped once")
         super().__init__()
         self._module = inner_module
-        self._runner = BlockRunner(inner_module, _unique_name(inner_module), use_checkpoint=use_checkpoint,
-                                   zero_level=zero_level, reduce_dtype=reduce_dtype, offload_params=offload_params)
+        self._runner = BlockRunner(inner_module, _unique_name(inner_module), recompute=use_checkpoint,
+                                   zero_level=zero_level, reduce_dtype=reduce_dtype,
+                                   offload=OffloadPolicy(params=offload_params))
         self._owner_list: Optional["weakref.ref[nn.Module]"] = None  # the TransformerBlockList holding it
         self.register_state_dict_post_hook(_strip_module_prefix)
         self.register_load_state_dict_pre_hook(_add_module_prefix)  # must run before the next one

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .collectives import all_gather
-from .group import FlatBuffer, ShardState
+from .group import FlatBuffer, ParamSlot
 from .schedule import engine
 
 __all__ = ["full_grad_dict", "full_state_dict", "shard_full_tensors"]
@@ -37,8 +37,7 @@ def shard_full_tensors(module: nn.Module, state_dict: Dict[str, Any], prefix: st
     for key, param in named:
         if key not in state_dict or not eng.registry.is_sharded(param):
             continue
-        buffer, index = eng.registry.buffer_of(eng.ctx, param)
-        slot = buffer.slots[index]
+        buffer, slot = eng.registry.slot_of(eng.ctx, param)
         value = state_dict[key]
         if tuple(value.shape) == tuple(slot.shape):
             state_dict[key] = value.reshape(-1)[slot.piece.param_start : slot.piece.param_end]
@@ -73,20 +72,16 @@ def full_state_dict(model: nn.Module, *, with_buffers: bool = True,
     if select is not None:
         entries = {name: value for name, value in entries.items() if select(name)}
     # Each flat buffer is gathered once for all of its parameters (in the same order on every rank).
-    by_buffer: Dict[int, Tuple[FlatBuffer, List[Tuple[str, int]]]] = {}
+    by_buffer: Dict[int, Tuple[FlatBuffer, List[Tuple[str, ParamSlot]]]] = {}
     for name, value in entries.items():
         if isinstance(value, nn.Parameter) and eng.registry.is_sharded(value):
-            buffer, index = eng.registry.buffer_of(eng.ctx, value)
-            by_buffer.setdefault(id(buffer), (buffer, []))[1].append((name, index))
+            buffer, slot = eng.registry.slot_of(eng.ctx, value)
+            by_buffer.setdefault(id(buffer), (buffer, []))[1].append((name, slot))
     gathered: Dict[str, torch.Tensor] = {}
     for buffer, names in by_buffer.values():
-        was = buffer.state
-        buffer.ensure_gathered()
-        for name, index in names:
-            slot = buffer.slots[index]
-            gathered[name] = buffer.full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
-        if was is ShardState.SHARDED:
-            buffer.release()
+        with buffer.gathered() as flat:
+            for name, slot in names:
+                gathered[name] = slot.view_in(flat).clone()
     out: Dict[str, torch.Tensor] = {}
     for name, value in entries.items():
         if name in gathered:
@@ -112,15 +107,14 @@ def full_grad_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
         if not eng.registry.is_sharded(param):
             out[key] = param.grad.detach().clone() if param.grad is not None else torch.zeros_like(param)
             continue
-        buffer, index = eng.registry.buffer_of(ctx, param)
+        buffer, slot = eng.registry.slot_of(ctx, param)
         if id(buffer) not in gathered:
             shard = torch.zeros(buffer.layout.shard_size, dtype=buffer.dtype, device=ctx.device)
-            for slot in buffer.slots:
-                if slot.param.grad is not None:
-                    shard[slot.piece.shard_start : slot.piece.shard_end] = slot.param.grad
+            for other in buffer.slots:
+                if other.param.grad is not None:
+                    shard[other.piece.shard_start : other.piece.shard_end] = other.param.grad
             full = torch.empty(buffer.layout.padded_total, dtype=buffer.dtype, device=shard.device)
             all_gather(ctx, full, shard).wait()
             gathered[id(buffer)] = full
-        slot = buffer.slots[index]
-        out[key] = gathered[id(buffer)][slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+        out[key] = slot.view_in(gathered[id(buffer)]).clone()
     return out

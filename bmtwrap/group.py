@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import enum
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -42,7 +43,7 @@ from torch.profiler import record_function
 from .collectives import Pending, all_gather, reduce_scatter_mean
 from .dist import DistContext
 from .offload import OffloadPolicy, host_empty
-from .param import DistributedParameter, FlatLayout, LocalPiece, build_layout
+from .param import DistributedParameter, FlatLayout, LocalPiece
 
 __all__ = ["FlatBuffer", "ParamGroup", "ParamRegistry", "ParamSlot", "PendingReduction", "ShardState"]
 
@@ -73,6 +74,10 @@ class ParamSlot:
     @property
     def numel(self) -> int:
         return self.shape.numel()
+
+    def view_in(self, flat: torch.Tensor) -> torch.Tensor:
+        """This parameter, full-shaped, inside a gathered flat buffer (``FlatBuffer.gathered()``'s)."""
+        return flat[self.offset : self.offset + self.numel].view(self.shape)
 
 
 class PendingReduction:
@@ -234,6 +239,32 @@ class FlatBuffer:
         if self.state is ShardState.GATHERING:
             self.wait_gather()
 
+    @property
+    def gathered_nbytes(self) -> int:
+        """Bytes of the whole flat buffer once gathered (padding included)."""
+        return self.layout.padded_total * self.local.element_size()
+
+    def keep_own_piece(self) -> None:
+        """Copy this rank's slice of the gathered buffer into its shard (values set at full shape)."""
+        assert self.state is ShardState.GATHERED, f"rank {self.ctx.rank}: keep_own_piece of a {self.state.value} buffer"
+        size = self.layout.shard_size
+        self.local.copy_(self.full[self.ctx.rank * size : (self.ctx.rank + 1) * size])
+
+    @contextmanager
+    def gathered(self) -> Iterator[torch.Tensor]:
+        """The whole flat buffer, gathered, for the body (read its parameters with ``ParamSlot.view_in``).
+
+        A collective: every rank enters it. Released after, unless it was gathered before (a
+        running block's stays as the engine left it).
+        """
+        was = self.state
+        self.ensure_gathered()
+        try:
+            yield self.full
+        finally:
+            if was is ShardState.SHARDED:
+                self.release()
+
     # --- views and gradients -------------------------------------------------------------------
     def views(self) -> List[torch.Tensor]:
         assert self.state is ShardState.GATHERED, f"rank {self.ctx.rank}: views of a {self.state.value} buffer"
@@ -349,6 +380,11 @@ class ParamRegistry:
             return None
         return entry[1], entry[2]
 
+    def slot_of(self, ctx: DistContext, param: torch.Tensor) -> Tuple[FlatBuffer, ParamSlot]:
+        """The buffer and slot of a sharded parameter (see :meth:`buffer_of`)."""
+        buffer, index = self.buffer_of(ctx, param)
+        return buffer, buffer.slots[index]
+
     def is_sharded(self, param: torch.Tensor) -> bool:
         return self.lookup(param) is not None or isinstance(param, DistributedParameter)
 
@@ -368,14 +404,9 @@ class ParamRegistry:
 
 def full_value(ctx: DistContext, registry: ParamRegistry, param: torch.Tensor) -> torch.Tensor:
     """The whole value of a sharded parameter, gathered (a collective: every rank must call it)."""
-    buffer, index = registry.buffer_of(ctx, param)
-    slot = buffer.slots[index]
-    was = buffer.state
-    buffer.ensure_gathered()
-    value = buffer.full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
-    if was is ShardState.SHARDED:
-        buffer.release()
-    return value
+    buffer, slot = registry.slot_of(ctx, param)
+    with buffer.gathered() as flat:
+        return slot.view_in(flat).clone()
 
 
 class _Unshard(torch.autograd.Function):
@@ -468,124 +499,3 @@ class ParamGroup:
 
 
 # --- building groups ---------------------------------------------------------------------------
-
-
-def find_owners(module: nn.Module) -> Dict[int, List[Tuple[str, Owner]]]:
-    """Every registration of every parameter under ``module``: id → [(qualified name, (module, attr))]."""
-    owners: Dict[int, List[Tuple[str, Owner]]] = {}
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        for attr, param in sub._parameters.items():
-            if param is not None:
-                qualified = f"{prefix}.{attr}" if prefix else attr
-                owners.setdefault(id(param), []).append((qualified, (sub, attr)))
-    return owners
-
-
-def _check_devices(ctx: DistContext, named: Sequence[Tuple[str, nn.Parameter]], where: str, allow_meta: bool) -> None:
-    devices: Dict[torch.device, str] = {}
-    for name, param in named:
-        devices.setdefault(param.device, name)
-    if len(devices) > 1:
-        listed = ", ".join(f"'{n}' on {d}" for d, n in devices.items())
-        raise ValueError(f"{where} mixes devices ({listed}); move the module to one device before sharding it")
-    for device, name in devices.items():
-        if device.type == "meta" and not allow_meta:
-            raise NotImplementedError(
-                f"{where}: parameter '{name}' is on the meta device; materialise it (e.g. module.to_empty(device=...)) "
-                "and initialise it before sharding"
-            )
-        if device.type not in ("cpu", "meta") and device != ctx.device:
-            raise ValueError(
-                f"{where}: parameter '{name}' is on {device}, but this process computes on {ctx.device}; "
-                f"move the module to {ctx.device} or to the CPU first"
-            )
-
-
-def build_group(ctx: DistContext, registry: ParamRegistry, module: nn.Module, name: str,
-                on_reduce: GradSink, reduce_dtype: Optional[torch.dtype] = None,
-                exclude: Iterable[int] = (), allow_meta: bool = False,
-                offload: Union[OffloadPolicy, bool] = OffloadPolicy()) -> ParamGroup:
-    """Shard every parameter under ``module`` (except ids in ``exclude``) into a new group.
-
-    Plain parameters are sliced locally; a lone :class:`DistributedParameter` (already sharded
-    at construction) is gathered once and re-laid into the group's buffers.
-
-    With ``allow_meta``, parameters on the meta device get uninitialised shards, to be filled by
-    materialisation or loading. ``offload`` says what every buffer of the group keeps on the host
-    (see [Note: offloaded shards]); a bool stands for ``OffloadPolicy(params=offload)``.
-
-    Raises:
-        ValueError: parameters on several devices, or on a device other than this process's
-            (or the CPU); a parameter that another group already owns.
-        NotImplementedError: parameters on the meta device without ``allow_meta``.
-    """
-    if isinstance(offload, bool):  # TODO: drop once BlockRunner passes the record instead of offload_params
-        offload = OffloadPolicy(params=offload)
-    excluded = set(exclude)
-    owners = find_owners(module)
-    named: List[Tuple[str, nn.Parameter]] = []
-    for qualified, param in module.named_parameters():
-        if id(param) in excluded:
-            continue
-        if registry.lookup(param) is not None:
-            raise ValueError(
-                f"parameter '{qualified}' of {name} already belongs to another block; a parameter can be "
-                "sharded by one block only"
-            )
-        named.append((qualified, param))
-    _check_devices(ctx, [(n, p) for n, p in named if not isinstance(p, DistributedParameter)], name, allow_meta)
-    on_meta = any(p.device.type == "meta" for _, p in named)
-
-    by_kind: Dict[Tuple[torch.dtype, bool], List[Tuple[str, nn.Parameter]]] = {}
-    for qualified, param in named:
-        by_kind.setdefault((param.dtype, param.requires_grad), []).append((qualified, param))
-
-    buffers = []
-    for (dtype, requires_grad), members in by_kind.items():
-        shapes = [p._original_shape if isinstance(p, DistributedParameter) else p.shape for _, p in members]
-        layout = build_layout([s.numel() for s in shapes], ctx.world_size, torch.empty((), dtype=dtype).element_size())
-        local = offload.new_shard(layout.shard_size, dtype, ctx.device, zeroed=not on_meta)
-        slots = []
-        for index, ((qualified, param), shape) in enumerate(zip(members, shapes)):
-            piece = layout.piece(index, ctx.rank)
-            if not on_meta:
-                if isinstance(param, DistributedParameter):
-                    value = full_value(ctx, registry, param)
-                else:
-                    value = param.detach()
-                with torch.no_grad():
-                    local[piece.shard_start : piece.shard_end].copy_(
-                        value.reshape(-1)[piece.param_start : piece.param_end])
-            view = local[piece.shard_start : piece.shard_end]
-            old_grad, param.grad = param.grad, None
-            if param.is_meta:
-                # .data cannot turn a meta tensor into a real one; swapping keeps the object (and ties).
-                torch.utils.swap_tensors(param, nn.Parameter(view, requires_grad=param.requires_grad))
-            else:
-                param.data = view
-            if old_grad is not None:
-                # A gradient from before sharding: keep this rank's piece of it (not averaged over ranks).
-                param.grad = old_grad.reshape(-1)[piece.param_start : piece.param_end].to(view.device).clone()
-            if isinstance(param, DistributedParameter):
-                param._standalone = None  # its lone shard is superseded by this buffer
-            regs = tuple(owner for _, owner in owners[id(param)])
-            slots.append(ParamSlot(param, qualified, torch.Size(shape), layout.offsets[index], piece, regs))
-        buffer = FlatBuffer(ctx, layout, local, slots, requires_grad, reduce_dtype if requires_grad else None,
-                            label=name, offload=offload)
-        buffer.initialized = not on_meta
-        registry.add(buffer)
-        buffers.append(buffer)
-    return ParamGroup(name, buffers, on_reduce)
-
-
-def lone_group(ctx: DistContext, registry: ParamRegistry, params: Sequence[Tuple[str, DistributedParameter]],
-               owners: Dict[int, List[Tuple[str, Owner]]], name: str, on_reduce: GradSink) -> ParamGroup:
-    """A group over DistributedParameters that stay in their own buffers (the root of a hand-written model)."""
-    buffers = []
-    for qualified, param in params:
-        buffer, _ = registry.buffer_of(ctx, param)
-        slot = buffer.slots[0]
-        slot.name = qualified
-        slot.owners = tuple(owner for _, owner in owners[id(param)])
-        buffers.append(buffer)
-    return ParamGroup(name, buffers, on_reduce)

@@ -53,7 +53,7 @@ from .full_state import full_state_dict
 from .optim import AdamOffloadOptimizer, AdamOptimizer
 from .optim.optim_manager import grad_norm
 from .wrap import wrap
-from .wrap.convert import _record
+from .wrap.convert import wrapped_record
 
 __all__ = ["Trainer"]
 
@@ -227,7 +227,7 @@ class _ShardedAccelerator(Accelerator):
         # bmtwrap placed every shard and averages the gradients over ranks itself: DDP or FSDP
         # would wrap (and .to() would move) what is already distributed. Prepared as accelerate
         # prepares a model for evaluation, it gets autocast (bf16) and nothing else.
-        assert _record(model) is not None, f"rank {self.process_index}: prepare_model got a model wrap() did not shard"
+        assert wrapped_record(model) is not None, f"rank {self.process_index}: prepare_model got a model wrap() did not shard"
         return super().prepare_model(model, device_placement=False, evaluation_mode=True)
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float,

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from .full_state import shard_full_tensors
-from .group import ROOT_LABEL, find_owners, lone_group
+from .group import ROOT_LABEL
+from .shard import find_owners, lone_group
 from .param import DistributedParameter
 from .runners import BlockModule, RootRunner
 from .schedule import Engine, TrainingState, engine

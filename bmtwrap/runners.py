@@ -39,7 +39,9 @@ from torch.utils.checkpoint import checkpoint
 
 from . import dist as _dist
 from .collectives import all_reduce_mean
-from .group import ParamGroup, PendingReduction, build_group
+from .group import ParamGroup, PendingReduction
+from .offload import OffloadPolicy
+from .shard import build_group
 from .schedule import Engine, TrainingState, engine, in_backward
 
 __all__ = ["BlockModule", "BlockRunner", "RootRunner"]
@@ -89,39 +91,49 @@ class BlockRunner:
     Args:
         module: the module whose parameters become this block's group; its tree is unchanged.
         name: for messages and plans.
-        use_checkpoint: recompute activations in backward instead of keeping them.
+        recompute: recompute activations in backward instead of keeping them (activation checkpointing).
         zero_level: 3 releases gathered parameters after forward, 2 keeps them until backward;
             ``None`` takes :func:`bmtwrap.init_distributed`'s default.
         reduce_dtype: dtype gradients are reduced in; default: the parameters' dtype.
         exclude: ids of parameters under ``module`` that another group owns.
         allow_meta: accept parameters on the meta device (their shards start uninitialised).
-        offload_params: keep the shards in pinned host memory (see [Note: offloaded shards]).
+        offload: what the group keeps on the host (see [Note: what is offloaded, and who reads it]
+            in ``offload.py``).
     """
 
-    def __init__(self, module: nn.Module, name: str, *, use_checkpoint: bool = True,
+    def __init__(self, module: nn.Module, name: str, *, recompute: bool = True,
                  zero_level: Optional[int] = None, reduce_dtype: Optional[torch.dtype] = None,
-                 exclude: Iterable[int] = (), allow_meta: bool = False, offload_params: bool = False) -> None:
+                 exclude: Iterable[int] = (), allow_meta: bool = False,
+                 offload: OffloadPolicy = OffloadPolicy()) -> None:
         ctx = _dist.current()
         if zero_level is None:
             zero_level = ctx.zero_level
         if zero_level not in (2, 3):
             raise ValueError(f"zero_level must be 2 or 3, got {zero_level!r}")
         self.name = name
-        self.use_checkpoint = use_checkpoint
+        self.recompute = recompute
         self.zero_level = zero_level
         self._engine: Engine = engine(ctx)
         exclude = set(exclude)
         self.group: ParamGroup = build_group(ctx, self._engine.registry, module, name, self._reduced, reduce_dtype,
-                                             exclude=exclude, allow_meta=allow_meta, offload=offload_params)
+                                             exclude=exclude, allow_meta=allow_meta, offload=offload)
         # Parameters under this module that another group (the root) owns: shared or tied weights.
         self.reads_foreign = any(id(p) in exclude for p in module.parameters())
         # Told the bytes a recomputation kept alive (checkpoint="auto" measures with it); CUDA only.
-        self.activation_probe: Optional[Callable[["BlockRunner", int], None]] = None
+        self._activation_probe: Optional[Callable[["BlockRunner", int], None]] = None
         self.next_block: Optional[BlockRunner] = None  # execution-order links (schedule.ExecutionOrder)
         self.prev_block: Optional[BlockRunner] = None
         # Backward events still expected from the forwards since the last backward (see _maybe_release).
         self._awaiting_inputs = 0
         self._awaiting_params = 0
+
+    def measure_activations(self, probe: Optional[Callable[["BlockRunner", int], None]]) -> None:
+        """Tell ``probe`` the bytes each recomputation of this block keeps alive (CUDA); ``None`` stops it."""
+        self._activation_probe = probe
+
+    def keep_activations(self) -> None:
+        """Stop recomputing: from the next forward on, this block keeps its activations for backward."""
+        self.recompute = False
 
     def __repr__(self) -> str:
         return f"BlockRunner({self.name})"
@@ -144,7 +156,7 @@ class BlockRunner:
 
         eng.enter_block()
         try:
-            if recording and self.use_checkpoint:
+            if recording and self.recompute:
                 out = checkpoint(self._body, call, args, kwargs, use_reentrant=False)
             elif recording and self.zero_level == 3:
                 with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -174,7 +186,7 @@ class BlockRunner:
         self.group.swap_in(views)
         try:
             with record_function(f"bmtwrap.forward:{self.name}"):
-                if self.activation_probe is not None and in_backward():
+                if self._activation_probe is not None and in_backward():
                     return self._measured(call, args, kwargs)
                 return call(*args, **kwargs)
         finally:
@@ -189,7 +201,7 @@ class BlockRunner:
         try:
             return call(*args, **kwargs)
         finally:
-            self.activation_probe(self, torch.cuda.memory_allocated(device) - before)
+            self._activation_probe(self, torch.cuda.memory_allocated(device) - before)
 
     # Saved-tensor hooks for blocks that are not checkpointed under ZeRO-3: a saved view of the
     # gathered parameters is remembered with its group, and the group is gathered again into the

@@ -31,11 +31,12 @@ import contextlib
 import enum
 import types
 import weakref
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Protocol, Tuple
 
 import torch
 from torch import nn
 from torch.autograd import Variable
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .dist import DistContext, current
 from .group import FlatBuffer, ParamGroup, ParamRegistry, PendingReduction
@@ -181,6 +182,12 @@ class Engine:
         self._callback_task = -1  # the autograd graph task our end-of-backward callback is queued on
         # Offloaded buffers whose gradients this backward copies to the host (see [Note: offloaded shards]).
         self._host_grads: Dict[int, FlatBuffer] = {}
+        self._step_hook: Optional[Any] = None  # the handle of install_step_check's hook
+
+    def install_step_check(self, check: Callable[[torch.optim.Optimizer, Any, Any], None]) -> None:
+        """Run ``check`` before every optimizer step of this process (registered once, however often asked)."""
+        if self._step_hook is None:
+            self._step_hook = register_optimizer_step_pre_hook(check)
 
     @property
     def state(self) -> TrainingState:

@@ -135,7 +135,7 @@ def test_load_state_dict_lists_problems_and_changes_nothing():
 def test_auto_checkpoint_falls_back_to_checkpointing_on_cpu():
     model = bmt.wrap(tiny_llama(), checkpoint="auto")
     record = bmt.schedule.engine().wrapped[id(model)]
-    assert all(runner.use_checkpoint for _, runner in record.runners)
+    assert all(runner.recompute for _, runner in record.runners)
 
 
 def test_plan_lists_blocks_and_memory():
@@ -216,19 +216,19 @@ def test_auto_checkpoint_keeps_activations_of_the_blocks_that_fit(monkeypatch):
     import itertools
     import types
 
-    from bmtwrap.wrap.convert import AutoCheckpoint
+    from bmtwrap.wrap.convert import AutoRecompute
 
     counter = itertools.count()
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: next(counter) * 1000)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 500)
     model = bmt.wrap(tiny_llama(num_hidden_layers=3))
     runners = [runner for _, runner in bmt.schedule.engine().wrapped[id(model)].runners]
-    auto = AutoCheckpoint(runners, budget=2600, device=types.SimpleNamespace(type="cuda"))
+    auto = AutoRecompute(runners, budget=2600, device=types.SimpleNamespace(type="cuda"))
     ids = torch.randint(0, 64, (2, 8))
     model(ids, labels=ids).loss.backward()
     assert auto.decided
     # 2600 budget - 500 peak = 2100 headroom: two blocks of 1000 fit, the third stays checkpointed.
-    assert [r.use_checkpoint for r in runners] == [False, False, True]
+    assert [r.recompute for r in runners] == [False, False, True]
     model(ids, labels=ids).loss.backward()  # and training goes on with the mixed setting
 
 

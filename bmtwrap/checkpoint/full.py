@@ -57,9 +57,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dist import DistContext
-from ..group import FlatBuffer, ShardState
+from ..group import FlatBuffer
 from ..schedule import engine
-from ..wrap.convert import restore_buffers
+from ..wrap.materialize import restore_buffers
 from .full_format import SAFETENSORS_SUFFIX, _Entry, _open_writer, _safetensors_dtype, _Writer
 from .io import PathLike, atomic_file, read_flat_range
 
@@ -74,8 +74,7 @@ _LIST_AT_MOST = 20  # names listed per problem in an error message
 def _full_shape(value: torch.Tensor) -> torch.Size:
     eng = engine()
     if isinstance(value, nn.Parameter) and eng.registry.is_sharded(value):
-        buffer, index = eng.registry.buffer_of(eng.ctx, value)
-        return buffer.slots[index].shape
+        return eng.registry.slot_of(eng.ctx, value)[1].shape
     return value.shape
 
 
@@ -221,8 +220,8 @@ def _copy_into(model_state: Mapping[str, torch.Tensor], source: _Source, keys: S
     for key in keys:
         target = model_state[key]
         if isinstance(target, nn.Parameter) and eng.registry.is_sharded(target):
-            buffer, index = eng.registry.buffer_of(eng.ctx, target)
-            piece = buffer.slots[index].piece
+            buffer, slot = eng.registry.slot_of(eng.ctx, target)
+            piece = slot.piece
             if piece.numel:
                 value = source.read_range(key, piece.param_start, piece.param_end)
                 target.copy_(value.to(device=target.device, dtype=target.dtype))
@@ -347,8 +346,7 @@ def _plan_save(model: nn.Module) -> Tuple[List[_Entry], List[_Unit]]:
             raise NotImplementedError(f"'{key}' holds a {type(value).__name__} (a module's extra state), and "
                                       "bmtwrap.save writes tensors only; save that state separately")
         if isinstance(value, nn.Parameter) and eng.registry.is_sharded(value):
-            buffer, index = eng.registry.buffer_of(eng.ctx, value)
-            slot = buffer.slots[index]
+            buffer, slot = eng.registry.slot_of(eng.ctx, value)
             entry = _Entry(key, slot.shape, value.dtype, id(value), slot, None)
             unit = by_buffer.get(id(buffer))
             if unit is None:
@@ -372,7 +370,7 @@ def _host_values(units: Sequence[_Unit], ctx: DistContext,
     """
     staging: Optional[torch.Tensor] = None
     if on_host and ctx.device.type == "cuda":
-        sizes = [u.buffer.full.element_size() * u.buffer.layout.padded_total for u in units if u.buffer is not None]
+        sizes = [u.buffer.gathered_nbytes for u in units if u.buffer is not None]
         staging = torch.empty(max(sizes, default=0), dtype=torch.uint8, pin_memory=True)
     for unit in units:
         buffer = unit.buffer
@@ -380,18 +378,11 @@ def _host_values(units: Sequence[_Unit], ctx: DistContext,
             (entry,) = unit.entries
             yield entry, (entry.value.to("cpu") if on_host else None)
             continue
-        was = buffer.state
-        buffer.ensure_gathered()
-        try:
-            flat = buffer.full
+        with buffer.gathered() as flat:
             if on_host and staging is not None:
                 flat = staging[: flat.numel() * flat.element_size()].view(flat.dtype).copy_(flat)
             for entry in unit.entries:
-                slot = entry.slot
-                yield entry, (flat[slot.offset : slot.offset + slot.numel].view(entry.shape) if on_host else None)
-        finally:
-            if was is ShardState.SHARDED:
-                buffer.release()
+                yield entry, (entry.slot.view_in(flat) if on_host else None)
 
 
 # --- public: save -------------------------------------------------------------------------------

@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from .. import dist as _dist
-from ..wrap.convert import materialize, restore_buffers, wrap
+from ..wrap import materialize, wrap
+from ..wrap.materialize import restore_buffers
 from .hf_export import save_pretrained
 from .hf_keys import INDEX_NAME, WEIGHTS_NAME, _conversions, _entries, _Entry, _FullShapes, _Group, _hf_model, _split
 from .io import PathLike, read_flat_range

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import dist as _dist
-from ..group import FlatBuffer, ShardState
+from ..group import FlatBuffer
 from .hf_keys import (
     INDEX_NAME,
     WEIGHTS_NAME,
@@ -125,18 +125,8 @@ def _collect(step: _Step, entries: Dict[str, _Entry], keep: bool) -> Dict[str, t
     buffer = step.buffer
     if buffer is None:
         return {k: entries[k].value.detach().to("cpu", copy=True) for k in step.keys} if keep else {}
-    was = buffer.state
-    buffer.ensure_gathered()
-    try:
-        out = {}
-        if keep:
-            for k in step.keys:
-                slot = entries[k].slot
-                out[k] = buffer.full[slot.offset : slot.offset + slot.numel].view(slot.shape).to("cpu", copy=True)
-        return out
-    finally:
-        if was is ShardState.SHARDED:
-            buffer.release()
+    with buffer.gathered() as flat:
+        return {k: entries[k].slot.view_in(flat).to("cpu", copy=True) for k in step.keys} if keep else {}
 
 
 class _ShardWriter:

@@ -110,8 +110,7 @@ def _entries(model: nn.Module) -> Dict[str, _Entry]:
     out: Dict[str, _Entry] = {}
     for key, value in model.state_dict(keep_vars=True).items():
         if registry is not None and isinstance(value, nn.Parameter) and registry.is_sharded(value):
-            buffer, index = registry.buffer_of(engine().ctx, value)
-            slot = buffer.slots[index]
+            buffer, slot = registry.slot_of(engine().ctx, value)
             out[key] = _Entry(value, slot.shape, buffer, slot)
         else:
             out[key] = _Entry(value, value.shape, None, None)

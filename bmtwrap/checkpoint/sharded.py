@@ -36,7 +36,7 @@ from torch import nn
 from ..dist import DistContext
 from ..optim import OptimManager
 from ..schedule import engine
-from ..wrap.convert import restore_buffers
+from ..wrap.materialize import restore_buffers
 from .agree import _agree, _broadcast, _describe, _first_failure, _raise
 from .io import PathLike, atomic_file
 from .sharded_format import (
@@ -114,8 +114,7 @@ class _Target(NamedTuple):
 def _target_of(value: torch.Tensor) -> _Target:
     eng = engine()
     if isinstance(value, nn.Parameter) and eng.registry.is_sharded(value):
-        buffer, index = eng.registry.buffer_of(eng.ctx, value)
-        slot = buffer.slots[index]
+        slot = eng.registry.slot_of(eng.ctx, value)[1]
         return _Target(value, tuple(slot.shape), slot.piece.param_start, slot.piece.param_end, True)
     return _Target(value, tuple(value.shape), 0, value.numel(), False)
 

@@ -20,22 +20,23 @@ from __future__ import annotations
 import functools
 import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import dist as _dist
 from ..full_state import shard_full_tensors
-from ..group import ROOT_LABEL, ParamGroup, build_group
+from ..group import ROOT_LABEL
+from ..offload import OffloadPolicy
 from ..runners import BlockModule, BlockRunner, RootRunner
+from ..shard import build_group
 from ..schedule import engine
 from .adapters import ModelAdapter, adapter_for
 from .detect import LayerPolicy
 from .plan import Checkpoint, OffloadOptions, WrapPlan, make_plan
 
-__all__ = ["materialize", "plan", "wrap"]
+__all__ = ["plan", "wrap", "wrapped_record"]
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
                      seq_len=seq_len, offload=offload, ranks_per_host=ranks_per_host)[0]
 
 
-class AutoCheckpoint:
+class AutoRecompute:
     """``checkpoint="auto"``: keep as many blocks un-checkpointed as the memory budget allows.
 
     The first training step runs every block checkpointed; while backward recomputes each block,
@@ -149,7 +150,7 @@ class AutoCheckpoint:
                 budget = int(0.9 * torch.cuda.get_device_properties(device).total_memory)
             self._budget = budget
             for runner in runners:
-                runner.activation_probe = self.report
+                runner.measure_activations(self.report)
 
     def report(self, runner: BlockRunner, nbytes: int) -> None:
         if self.decided:
@@ -163,13 +164,10 @@ class AutoCheckpoint:
             size = self._sizes[id(runner)]
             if size > headroom:
                 break
-            runner.use_checkpoint = False
+            runner.keep_activations()
             headroom -= size
         for runner in self._runners:
-            runner.activation_probe = None
-
-
-_STEP_HOOK: List[Any] = []  # the one optimizer step pre-hook this process installs (see _check_optimizer)
+            runner.measure_activations(None)
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -234,7 +232,7 @@ def _move_buffers(model: nn.Module, device: torch.device) -> None:
 
 
 def _already_wrapped(model: nn.Module, options: WrapOptions) -> Optional[nn.Module]:
-    record = _record(model)
+    record = wrapped_record(model)
     if record is None:
         return None
     if record.options != options:
@@ -319,9 +317,9 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
 
     runners: List[Tuple[nn.Module, BlockRunner]] = []
     for (name, module), block_plan in zip(blocks, the_plan.blocks):
-        runner = BlockRunner(module, name, use_checkpoint=bool(block_plan.checkpoint), zero_level=options.zero_level,
+        runner = BlockRunner(module, name, recompute=bool(block_plan.checkpoint), zero_level=options.zero_level,
                              reduce_dtype=reduce_dtype, exclude=shared_ids, allow_meta=True,
-                             offload_params=options.offload_params)
+                             offload=OffloadPolicy(params=options.offload_params))
         _install_forward(module, runner)
         runners.append((module, runner))
     owned = {id(slot.param) for _, runner in runners for slot in runner.group.slots}
@@ -336,79 +334,15 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
              if any(b is not None and b.is_meta and n in m._non_persistent_buffers_set for n, b in m._buffers.items())]
     _move_buffers(model, ctx.device)
     if checkpoint == "auto":
-        AutoCheckpoint([r for _, r in runners], memory_budget, ctx.device)
-    if not _STEP_HOOK:
-        _STEP_HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
+        AutoRecompute([r for _, r in runners], memory_budget, ctx.device)
+    eng.install_step_check(_check_optimizer)
     eng.register_wrapped(model, Wrapped(weakref.ref(model), options, the_plan, runners, root, adapter, stale))
     return model
 
 
-def _record(model: nn.Module) -> Optional[Wrapped]:
+def wrapped_record(model: nn.Module) -> Optional[Wrapped]:
+    """What :func:`wrap` made of ``model`` (its plan, runners, adapter), or ``None`` if it did not wrap it."""
     eng = engine()
     record = eng.wrapped_record(model)
     assert record is None or isinstance(record, Wrapped), f"rank {eng.ctx.rank}: a {type(record).__name__} as wrap record"
     return record
-
-
-@torch.no_grad()
-def restore_buffers(model: nn.Module) -> None:
-    """Recompute the non-persistent buffers a model built on the meta device lost (after loading).
-
-    Only modules without parameters of their own are re-initialised (rotary embeddings are such
-    modules), so no loaded weight is touched.
-    """
-    record = _record(model)
-    if record is None or not record.stale_buffers:
-        return
-    initialise = record.adapter.initializer(model)
-    for module in record.stale_buffers:
-        if not any(True for _ in module.parameters(recurse=False)):
-            initialise(module)
-    record.stale_buffers = []
-
-
-def _groups_of(record: Wrapped, model: nn.Module) -> List[Tuple[ParamGroup, List[nn.Module]]]:
-    """Each group with the modules whose own parameters and buffers it covers."""
-    inside: Set[int] = set()
-    out = []
-    for module, runner in record.runners:
-        modules = list(module.modules())
-        inside.update(id(m) for m in modules)
-        out.append((runner.group, modules))
-    rest = [m for m in model.modules() if id(m) not in inside]
-    return [(record.root.group, rest)] + out
-
-
-@torch.no_grad()
-def materialize(model: nn.Module) -> nn.Module:
-    """Give a wrapped model built on the meta device its initial values, one group at a time.
-
-    Each group is gathered (uninitialised), every module it covers is initialised at full shape
-    (Hugging Face models with their own ``_init_weights``, which also restores rotary
-    ``inv_freq``; other modules with ``reset_parameters()``), and each rank keeps its piece.
-    Every rank draws the same random numbers, so the pieces fit together. A collective.
-
-    Raises:
-        ValueError: ``model`` was not wrapped by :func:`wrap`.
-    """
-    eng = engine()
-    record = _record(model)
-    if record is None:
-        raise ValueError("materialize expects a model returned by bmtwrap.wrap()")
-    initialise = record.adapter.initializer(model)
-    for group, modules in _groups_of(record, model):
-        for buffer in group.buffers:
-            buffer.initialized = True
-        group.ensure_gathered()
-        group.swap_in([view.detach() for view in group.unshard()])
-        try:
-            for module in modules:
-                initialise(module)
-        finally:
-            group.swap_out()
-        record.stale_buffers = [m for m in record.stale_buffers if all(m is not x for x in modules)]
-        for buffer in group.buffers:
-            rank_slice = slice(eng.ctx.rank * buffer.layout.shard_size, (eng.ctx.rank + 1) * buffer.layout.shard_size)
-            buffer.local.copy_(buffer.full[rank_slice])
-        group.release()
-    return model

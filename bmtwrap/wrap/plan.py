@@ -206,7 +206,7 @@ class _Buffer(NamedTuple):
 
 
 def _buffers(params: List[nn.Parameter], world_size: int) -> List[_Buffer]:
-    """The flat buffers ``group.build_group`` makes of ``params``: one per (dtype, requires_grad)."""
+    """The flat buffers ``shard.build_group`` makes of ``params``: one per (dtype, requires_grad)."""
     by_kind: Dict[Tuple[torch.dtype, bool], List[nn.Parameter]] = {}
     for p in params:
         by_kind.setdefault((p.dtype, p.requires_grad), []).append(p)

@@ -290,7 +290,7 @@ def best_model() -> Dict[str, Any]:
 
 def gradient_checkpointing() -> Dict[str, Any]:
     """args.gradient_checkpointing becomes bmtwrap's checkpointing; Hugging Face's stays off."""
-    from bmtwrap.wrap.convert import _record
+    from bmtwrap.wrap.convert import wrapped_record
 
     args = args_for("gradient_checkpointing", max_steps=1, gradient_checkpointing=True)
     trainer = Trainer(model=make_model(), args=args, train_dataset=TRAIN)
@@ -298,7 +298,7 @@ def gradient_checkpointing() -> Dict[str, Any]:
     return {"flag_off": not args.gradient_checkpointing and not getattr(args, "activation_checkpointing", False),
             "hf_checkpointing_off": not any(getattr(m, "gradient_checkpointing", False)
                                             for m in trainer.model.modules()),
-            "wrap_checkpoint": _record(trainer.model).options.checkpoint}
+            "wrap_checkpoint": wrapped_record(trainer.model).options.checkpoint}
 
 
 def chosen_optimizer_and_bf16() -> Dict[str, Any]:
