@@ -1,5 +1,6 @@
-// The Python module bmtwrap._C: bindings only, no logic. Its one importer is bmtwrap/ops.py, which checks
-// every tensor before its pointer arrives here (see [Note: tensors crossing into C++] in common.h).
+// The Python module bmtwrap._C: bindings only, no logic. Its one importer is bmtwrap/ops/_ext.py; the
+// bmtwrap.ops package checks every tensor before its pointer arrives here (see [Note: tensors crossing
+// into C++] in common.h).
 // Kernels release the GIL: they only touch memory the caller keeps alive for the duration of the call.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>

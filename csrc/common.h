@@ -2,7 +2,7 @@
 //
 // [Note: tensors crossing into C++]
 // The extension never links against torch's C++ library, so that a torch upgrade never needs a rebuild.
-// A tensor therefore arrives as three plain values, all checked by bmtwrap/ops.py beforehand:
+// A tensor therefore arrives as three plain values, all checked by the bmtwrap.ops package beforehand:
 //   ptr    (uintptr_t)  tensor.data_ptr() of a contiguous tensor, aligned to its element size;
 //   numel  (int64_t)    its element count, >= 0;
 //   dtype  (DType)      how to read the elements.
@@ -71,7 +71,7 @@ decltype(auto) dispatch_dtype(DType dtype, F&& f) {
   throw std::invalid_argument("bmtwrap._C: unknown dtype code " + std::to_string(static_cast<int>(dtype)));
 }
 
-// The checks every op repeats on its raw arguments; ops.py has already made them, this is the last line.
+// The checks every op repeats on its raw arguments; bmtwrap.ops has already made them, this is the last line.
 inline void check_buffer(const char* op, std::uintptr_t ptr, int64_t numel) {
   if (numel < 0) {
     throw std::invalid_argument(std::string(op) + ": numel must be >= 0, got " + std::to_string(numel));

@@ -6,6 +6,7 @@ the common ones, with the rank named), so no rank goes on alone and none waits i
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
@@ -15,8 +16,8 @@ from ..dist import DistContext
 __all__: List[str] = []  # private to the checkpoint package
 
 
-_ERRORS = {cls.__name__: cls for cls in (ValueError, TypeError, FileNotFoundError, NotImplementedError, OSError,
-                                         RuntimeError, KeyError)}
+_ERRORS = MappingProxyType({cls.__name__: cls for cls in (ValueError, TypeError, FileNotFoundError,
+                                                          NotImplementedError, OSError, RuntimeError, KeyError)})
 
 
 def _describe(error: Optional[BaseException]) -> Optional[Tuple[str, str]]:

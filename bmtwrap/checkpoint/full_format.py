@@ -13,7 +13,8 @@ import struct
 import zipfile
 import zlib
 from pathlib import Path
-from typing import IO, Any, Dict, Iterator, NamedTuple, Optional, Protocol, Sequence, Tuple
+from types import MappingProxyType
+from typing import IO, Any, Dict, Iterator, Mapping, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -24,11 +25,11 @@ __all__ = ["SAFETENSORS_SUFFIX"]  # the rest is private to the checkpoint packag
 SAFETENSORS_SUFFIX = ".safetensors"
 
 # torch dtype ↔ the safetensors header's name for it.
-_SAFETENSORS_DTYPES: Dict[torch.dtype, str] = {
+_SAFETENSORS_DTYPES: Mapping[torch.dtype, str] = MappingProxyType({
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}
+})
 
 
 class _Entry(NamedTuple):

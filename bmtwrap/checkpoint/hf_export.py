@@ -46,7 +46,7 @@ from .io import PathLike, atomic_file, fsync_dir, temporary_name
 __all__ = ["save_pretrained"]
 
 _SHARD_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
-_OURS = {WEIGHTS_NAME, INDEX_NAME, "config.json", "generation_config.json"}
+_OURS = frozenset({WEIGHTS_NAME, INDEX_NAME, "config.json", "generation_config.json"})
 
 
 # --- saving ------------------------------------------------------------------------------------
