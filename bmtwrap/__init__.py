@@ -31,14 +31,20 @@ Public names only; see each one's docstring. A BMTrain program runs after ``impo
 #   optim/           AdamOptimizer, AdamOffloadOptimizer, OptimManager (import the engine only)
 #   checkpoint/      full, sharded and Hugging Face checkpoints (import wrap, optim and the engine)
 #   loss.py, lr_scheduler.py, hf.py (Trainer), __main__.py (the CLI)
+# BMTrain compatibility (read the engine through dist/full_state only)
+#   initializer.py   ParameterInitializer;  config_view.py  bmt.config, a read-only view of DistContext
+#   inspect/         inspect_model, inspect_tensor/record_tensor, format_summary;  nccl.py  refusals
+#   compat.py        install_bmtrain_alias(): `import bmtrain` resolves to bmtwrap's objects
 
-from . import loss, lr_scheduler, optim
+from . import inspect, loss, lr_scheduler, nccl, optim
 from .block import Block, CheckpointBlock
-from .blocklist import TransformerBlockList
+from .blocklist import PipelineTransformerBlockList, TransformerBlockList
 from .checkpoint import (CheckpointInfo, from_pretrained, load, load_checkpoint, load_pretrained, load_state_dict, save,
                          save_checkpoint, save_pretrained)
 from .dist import init_distributed, print_rank, rank, sum_loss, synchronize, world_size
+from .config_view import config
 from .full_state import full_grad_dict, full_state_dict
+from .initializer import ParameterInitializer
 from .module import DistributedModule, init_parameters
 from .param import DistributedParameter
 from .wrap import WrapPlan, materialize, plan, wrap
@@ -53,6 +59,7 @@ __all__ = [
     "BMTrainModelWrapper",
     "CheckpointBlock",
     "CheckpointInfo",
+    "config",
     "DistributedModule",
     "DistributedParameter",
     "from_pretrained",
@@ -60,6 +67,7 @@ __all__ = [
     "full_state_dict",
     "init_distributed",
     "init_parameters",
+    "inspect",
     "load",
     "load_checkpoint",
     "load_pretrained",
@@ -67,7 +75,10 @@ __all__ = [
     "loss",
     "lr_scheduler",
     "materialize",
+    "nccl",
     "optim",
+    "ParameterInitializer",
+    "PipelineTransformerBlockList",
     "plan",
     "print_rank",
     "rank",

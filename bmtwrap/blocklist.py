@@ -10,7 +10,7 @@ from torch import nn
 
 from .block import Block
 
-__all__ = ["TransformerBlockList"]
+__all__ = ["PipelineTransformerBlockList", "TransformerBlockList"]
 
 
 class TransformerBlockList(nn.Module):
@@ -116,3 +116,29 @@ class TransformerBlockList(nn.Module):
             stacked = tuple(torch.stack([step[i] for step in inputs], dim=0) for i in range(n))
             return tuple(last) + stacked
         return hidden[0] if n == 1 else tuple(hidden)
+
+
+class PipelineTransformerBlockList(TransformerBlockList):
+    """BMTrain's pipelined block list; here a :class:`TransformerBlockList` (pipeline size 1).
+
+    BMTrain runs a ``PipelineTransformerBlockList`` as a plain block list when its pipeline size
+    is 1, its default. bmtwrap has no pipeline parallelism (``init_distributed(pipe_size>1)``
+    raises), so this is always that case: the blocks are sharded over all ranks and called in
+    sequence.
+
+    Args:
+        modules: blocks or plain modules, as for :class:`TransformerBlockList`.
+        num_hidden: how many leading arguments are hidden states.
+
+    Raises:
+        TypeError: an element is not an ``nn.Module``.
+        ValueError: as :class:`TransformerBlockList`.
+
+    Example::
+
+        blocks = bmt.PipelineTransformerBlockList([bmt.Block(Layer()) for _ in range(24)])
+    """
+
+    def __init__(self, modules: Iterable[nn.Module], num_hidden: int = 1) -> None:
+        super().__init__(modules, num_hidden=num_hidden)
+

@@ -54,6 +54,8 @@ class DistContext:
         seed: the seed every RNG was seeded with.
         engine: the engine's run-time state (execution order, pending reductions), created on
             first use by :mod:`bmtwrap.schedule`; ``None`` until then.
+        inspector: the ``bmtwrap.inspect.inspect_tensor()`` record being taken, if any (see
+            [Note: the active inspector] in ``bmtwrap/inspect/tensor.py``).
         copy_streams: CUDA streams for copies between host and device beside the computation,
             by direction (see :meth:`copy_stream`).
     """
@@ -65,6 +67,7 @@ class DistContext:
     zero_level: int
     seed: int
     engine: Optional[AttachedEngine] = field(default=None, repr=False)
+    inspector: Optional[Any] = field(default=None, repr=False)
     copy_streams: Dict[str, Any] = field(default_factory=dict, repr=False)
 
     def copy_stream(self, direction: str) -> "torch.cuda.Stream":

@@ -1,0 +1,103 @@
+"""``import bmtrain`` for unchanged BMTrain programs: :func:`install_bmtrain_alias`.
+
+Why a meta-path finder, not module objects made up front: BMTrain's submodule paths
+(``bmtrain.block_layer``, ``bmtrain.global_var``, ...) are many and most programs import two or
+three. A finder answers only the paths asked for, creates each entry in ``sys.modules`` on
+request, and installs nothing else; the table below is the whole mapping, in one place.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
+from types import MappingProxyType
+from typing import Mapping, Optional, Sequence
+
+__all__ = ["install_bmtrain_alias"]
+
+# BMTrain's module path -> bmtwrap's module whose names stand in for it.
+_ALIASES: Mapping[str, str] = MappingProxyType({
+    "bmtrain": "bmtwrap",
+    "bmtrain.block_layer": "bmtwrap.blocklist",
+    "bmtrain.global_var": "bmtwrap.config_view",
+    "bmtrain.param_init": "bmtwrap.module",
+    "bmtrain.parameter": "bmtwrap.param",
+    "bmtrain.init": "bmtwrap.dist",
+    "bmtrain.synchronize": "bmtwrap.dist",
+    "bmtrain.utils": "bmtwrap.dist",
+    "bmtrain.inspect": "bmtwrap.inspect",
+    "bmtrain.nccl": "bmtwrap.nccl",
+    "bmtrain.store": "bmtwrap.checkpoint",
+    "bmtrain.layer": "bmtwrap.module",
+    "bmtrain.distributed": "bmtwrap.dist",
+    "bmtrain.lr_scheduler": "bmtwrap.lr_scheduler",
+    "bmtrain.loss": "bmtwrap.loss",
+    "bmtrain.optim": "bmtwrap.optim",
+    "bmtrain.nn": "bmtwrap.nn",
+    "bmtrain.wrapper": "bmtwrap.wrap",
+})
+# Names BMTrain's module has that bmtwrap keeps elsewhere: (alias, name) -> (module, name).
+_EXTRA: Mapping[str, Mapping[str, str]] = MappingProxyType({
+    "bmtrain.block_layer": {"CheckpointBlock": "bmtwrap.block", "Block": "bmtwrap.block"},
+    "bmtrain.global_var": {"rank": "bmtwrap.dist", "world_size": "bmtwrap.dist"},
+    "bmtrain.parameter": {"ParameterInitializer": "bmtwrap.initializer"},
+    "bmtrain.wrapper": {"BMTrainModelWrapper": "bmtwrap"},
+})
+
+
+class _BMTrainAliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds ``bmtrain`` and its submodules in :data:`_ALIASES` and loads bmtwrap's modules for them."""
+
+    def find_spec(self, fullname: str, path: Optional[Sequence[str]] = None,
+                  target: Optional[types.ModuleType] = None) -> Optional[importlib.machinery.ModuleSpec]:
+        if fullname not in _ALIASES or importlib.util.find_spec(_ALIASES[fullname]) is None:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=fullname == "bmtrain")
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        # A new module holding bmtwrap's objects, never bmtwrap's module itself: importing
+        # bmtrain.X sets attribute X on the parent, which must not add names to bmtwrap.
+        target = importlib.import_module(_ALIASES[spec.name])
+        alias = types.ModuleType(spec.name, target.__doc__)
+        alias.__dict__.update({k: v for k, v in vars(target).items() if not k.startswith("__")})
+        for name, module in _EXTRA.get(spec.name, {}).items():
+            setattr(alias, name, getattr(importlib.import_module(module), name))
+        if spec.name == "bmtrain.global_var":
+            alias.config = importlib.import_module("bmtwrap").config
+        return alias
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        del module  # nothing to run: create_module filled the module
+
+
+def install_bmtrain_alias() -> None:
+    """Make ``import bmtrain`` (and BMTrain's submodule paths) give bmtwrap's objects.
+
+    After this call, ``import bmtrain as bmt`` gives a module holding ``bmtwrap``'s names (the same objects), and
+    ``from bmtrain.block_layer import CheckpointBlock``, ``from bmtrain.global_var import
+    config``, ``from bmtrain.param_init import init_parameters``, ``bmtrain.inspect``,
+    ``bmtrain.nccl``, ``bmtrain.store`` (``save``/``load``), ``bmtrain.layer``
+    (``DistributedModule``), ``bmtrain.distributed``, ``bmtrain.lr_scheduler``,
+    ``bmtrain.loss``, ``bmtrain.optim`` resolve to bmtwrap's. Calling it again does nothing.
+
+    Raises:
+        ImportError: a real ``bmtrain`` is already imported in this process (the two cannot
+            share the name).
+
+    Example::
+
+        from bmtwrap.compat import install_bmtrain_alias
+        install_bmtrain_alias()
+        import bmtrain as bmt   # bmtwrap's names
+    """
+    if any(isinstance(finder, _BMTrainAliasFinder) for finder in sys.meta_path):
+        return
+    loaded = sys.modules.get("bmtrain")
+    if loaded is not None:
+        raise ImportError("a real bmtrain is already imported; call install_bmtrain_alias() before importing bmtrain")
+    # First on the path, so that an installed BMTrain does not answer instead.
+    sys.meta_path.insert(0, _BMTrainAliasFinder())

@@ -1,0 +1,98 @@
+"""``bmt.config``: BMTrain's global settings mapping, as a read-only view of the process context.
+
+BMTrain keeps its settings in a module-level dict filled by ``init_distributed``. bmtwrap keeps
+one :class:`~bmtwrap.dist.DistContext` instead; :data:`config` reads it on every lookup, so it
+holds no state of its own and can never disagree with :func:`bmtwrap.rank` and the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable, Dict, Iterator
+
+from . import dist as _dist
+
+__all__ = ["ConfigView", "config"]
+
+# BMTrain's keys that bmtwrap answers, and how, from the context. Without pipeline or tensor
+# parallelism every rank is in one ZeRO group: the zero rank is the rank, pipe/tp sizes are 1.
+_KEYS: Dict[str, Callable[[_dist.DistContext], Any]] = {
+    "initialized": lambda ctx: True,
+    "rank": lambda ctx: ctx.rank,
+    "world_size": lambda ctx: ctx.world_size,
+    "local_rank": lambda ctx: ctx.local_rank,
+    "zero_level": lambda ctx: ctx.zero_level,
+    "zero_rank": lambda ctx: ctx.rank,
+    "pipe_size": lambda ctx: 1,
+    "pipe_enabled": lambda ctx: False,
+    "pipe_rank": lambda ctx: 0,
+    "tp_size": lambda ctx: 1,
+    "tp_rank": lambda ctx: 0,
+    "tp_zero_rank": lambda ctx: ctx.rank,
+    "seed": lambda ctx: ctx.seed,
+}
+
+# BMTrain's keys with no meaning here, and why.
+_ABSENT: Dict[str, str] = {
+    "comm": "bmtwrap has no NCCL communicator of its own; collectives run on torch.distributed's default group",
+    "topology": "bmtwrap has no pipeline or tensor parallelism, hence no topology: every rank is one ZeRO group",
+    "calc_stream": "bmtwrap does not keep BMTrain's streams; use torch.cuda.current_stream()",
+    "load_stream": "bmtwrap does not keep BMTrain's streams; the engine manages its own copies",
+    "load_event": "bmtwrap does not keep BMTrain's streams or events",
+    "barrier_stream": "bmtwrap does not keep BMTrain's streams; use bmt.synchronize()",
+    "local_size": "bmtwrap does not record the number of processes per host",
+    "loss_scale_factor": "loss scaling is an argument of bmt.optim.OptimManager, not a global setting",
+    "loss_scale_steps": "loss scaling is an argument of bmt.optim.OptimManager, not a global setting",
+    "save_param_to_cpu": "bmt.save always gathers to the host; there is no switch",
+}
+
+
+class ConfigView(Mapping):
+    """The class of :data:`config`: a read-only mapping of BMTrain's setting names to this process's values.
+
+    Every lookup reads the context made by :func:`bmtwrap.init_distributed`. Keys: ``initialized``,
+    ``rank``, ``world_size``, ``local_rank``, ``zero_level``, ``zero_rank``, ``pipe_size`` (1),
+    ``pipe_enabled`` (False), ``pipe_rank`` (0), ``tp_size`` (1), ``tp_rank`` (0),
+    ``tp_zero_rank``, ``seed``.
+
+    Raises:
+        RuntimeError: on lookup before :func:`bmtwrap.init_distributed`.
+        KeyError: a key bmtwrap does not have; the message says why (``comm``, ``topology``, the
+            streams) or that BMTrain has no such key.
+        TypeError: on assignment (the settings are arguments of ``init_distributed``).
+
+    Example::
+
+        bmt.init_distributed(seed=0)
+        if bmt.config["rank"] == 0: ...
+    """
+
+    def __getitem__(self, key: str) -> Any:
+        ctx = _dist.current()
+        reader = _KEYS.get(key)
+        if reader is not None:
+            return reader(ctx)
+        if key in _ABSENT:
+            raise KeyError(f"bmt.config[{key!r}] does not exist in bmtwrap: {_ABSENT[key]}")
+        raise KeyError(f"bmt.config has no key {key!r}; it has {sorted(_KEYS)}")
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        raise TypeError(
+            f"bmt.config is read-only (tried to set {key!r}); pass settings to bmt.init_distributed() instead"
+        )
+
+    def __iter__(self) -> Iterator[str]:
+        _dist.current()
+        return iter(_KEYS)
+
+    def __len__(self) -> int:
+        return len(_KEYS)
+
+    def __repr__(self) -> str:
+        if not _dist.is_initialized():
+            return "bmt.config (not initialised: call bmt.init_distributed())"
+        return f"bmt.config({dict(self)!r})"
+
+
+config = ConfigView()
+"""BMTrain's ``config``: read-only settings of this process (see :class:`ConfigView`)."""

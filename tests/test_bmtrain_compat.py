@@ -1,0 +1,182 @@
+"""BMTrain's helper names: ParameterInitializer, config, inspect, nccl, PipelineTransformerBlockList,
+and the ``bmtrain`` import alias. Each case runs in a fresh process (a world of one)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(code: str) -> str:
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_parameter_initializer_matches_unsharded_call() -> None:
+    _run("""
+        import torch, bmtwrap as bmt
+        bmt.init_distributed(seed=3)
+        class M(bmt.DistributedModule):
+            def __init__(self):
+                super().__init__()
+                self.w = bmt.DistributedParameter(torch.empty(7, 5),
+                    init_method=bmt.ParameterInitializer(torch.nn.init.normal_, 0.5, std=0.02))
+            def forward(self, x):
+                return x @ self.w.t()
+        m = M()
+        torch.manual_seed(11); bmt.init_parameters(m)
+        torch.manual_seed(11); ref = torch.empty(7, 5); torch.nn.init.normal_(ref, 0.5, std=0.02)
+        assert torch.equal(bmt.full_state_dict(m)["w"], ref)
+        try:
+            bmt.ParameterInitializer(3)
+        except TypeError as e:
+            assert "callable" in str(e)
+        else:
+            raise AssertionError
+    """)
+
+
+def test_config_reads_the_context() -> None:
+    _run("""
+        import bmtwrap as bmt
+        try:
+            bmt.config["rank"]
+        except RuntimeError as e:
+            assert "init_distributed" in str(e)
+        else:
+            raise AssertionError
+        bmt.init_distributed(seed=0, zero_level=2)
+        c = bmt.config
+        assert (c["rank"], c["world_size"], c["local_rank"], c["zero_level"]) == (0, 1, 0, 2)
+        assert (c["pipe_size"], c["tp_size"], c["zero_rank"]) == (1, 1, 0)
+        assert dict(c)["world_size"] == 1 and "rank" in c and c.get("comm") is None
+        for key, words in (("topology", "no pipeline"), ("comm", "torch.distributed"), ("nope", "no key")):
+            try:
+                c[key]
+            except KeyError as e:
+                assert words in str(e), e
+            else:
+                raise AssertionError(key)
+        try:
+            c["rank"] = 3
+        except TypeError as e:
+            assert "read-only" in str(e)
+        else:
+            raise AssertionError
+    """)
+
+
+def test_nccl_names_refuse() -> None:
+    import bmtwrap.nccl as nccl
+    for name in nccl.__all__:
+        with pytest.raises(NotImplementedError, match="torch.distributed"):
+            getattr(nccl, name)()
+    with pytest.raises(NotImplementedError, match="all_gather_into_tensor"):
+        nccl.allGather(None, None, None)
+
+
+def test_format_summary_layout() -> None:
+    from bmtwrap.inspect import format_summary
+    text = format_summary([{"name": "a.w", "shape": (2, 3), "max": 1.0, "min": -1.0, "std": 0.5, "mean": 0.0,
+                            "grad_std": None, "grad_mean": None}])
+    header, row = text.split("\n")
+    assert header.split() == ["name", "shape", "max", "min", "std", "mean", "grad_std", "grad_mean"]
+    assert row.split() == ["a.w", "(2,", "3)", "1.0000", "-1.0000", "0.5000", "0.0000", "None", "None"]
+    assert len(header) == len(row) == (len("name") + 4) + 20 + 6 * 10
+
+
+def test_inspect_model_and_tensor() -> None:
+    _run("""
+        import math, torch, bmtwrap as bmt
+        bmt.init_distributed(seed=0)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
+        ref = {k: v.clone() for k, v in model.state_dict().items()}
+        class Net(bmt.DistributedModule):
+            def __init__(self):
+                super().__init__()
+                self.blocks = bmt.TransformerBlockList([model])
+            def forward(self, x):
+                h = self.blocks(x)
+                bmt.inspect.record_tensor(h, "out")
+                return h
+        net = Net()
+        stats = bmt.inspect.inspect_model(net, "*.weight")
+        assert [s["name"] for s in stats] == ["blocks.0.0.weight", "blocks.0.2.weight"], stats
+        w = ref["0.weight"]
+        assert stats[0]["shape"] == (6, 4) and stats[0]["grad_std"] is None
+        assert math.isclose(stats[0]["std"], w.std().item(), rel_tol=1e-6)
+        assert math.isclose(stats[0]["max"], w.max().item())
+        x = torch.randn(3, 4)
+        with bmt.inspect.inspect_tensor() as inspector:
+            net(x).sum().backward()
+        summary = inspector.get_summary()
+        assert summary[0]["name"] == "out" and summary[0]["shape"] == (3, 2)
+        assert summary[0]["grad_mean"] == 1.0 and summary[0]["grad_std"] == 0.0
+        assert inspector.get_tensor("out") is not None
+        stats = bmt.inspect.inspect_model(net, "blocks.0.2.*")
+        assert [s["name"] for s in stats] == ["blocks.0.2.weight", "blocks.0.2.bias"]
+        assert math.isclose(stats[1]["grad_mean"], 3.0, rel_tol=1e-6)  # d(sum)/d(bias) = batch size
+        print(bmt.inspect.format_summary(stats + summary))
+        net(x)  # outside the with: nothing recorded, no error
+    """)
+
+
+def test_pipeline_block_list_is_a_block_list() -> None:
+    _run("""
+        import torch, bmtwrap as bmt
+        bmt.init_distributed(seed=0)
+        blocks = bmt.PipelineTransformerBlockList([torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)])
+        assert isinstance(blocks, bmt.TransformerBlockList) and len(blocks) == 2
+        try:
+            bmt.init_distributed(pipe_size=2)
+        except NotImplementedError:
+            pass
+    """)
+
+
+def test_bmtrain_alias_script() -> None:
+    out = _run("""
+        from bmtwrap.compat import install_bmtrain_alias
+        install_bmtrain_alias()
+        import torch
+        import bmtrain as bmt
+        import bmtwrap
+        from bmtrain.block_layer import CheckpointBlock, TransformerBlockList
+        from bmtrain.global_var import config
+        from bmtrain.param_init import init_parameters
+        from bmtrain.layer import DistributedModule
+        from bmtrain.store import save, load
+        import bmtrain.inspect, bmtrain.distributed, bmtrain.lr_scheduler, bmtrain.loss, bmtrain.optim
+        assert CheckpointBlock is bmtwrap.CheckpointBlock and config is bmtwrap.config
+        assert init_parameters is bmtwrap.init_parameters and save is bmtwrap.save and load is bmtwrap.load
+        assert bmtrain.optim.AdamOptimizer is bmtwrap.optim.AdamOptimizer
+        assert bmtrain.inspect.inspect_model is bmtwrap.inspect.inspect_model
+        assert not hasattr(bmtwrap, "block_layer")  # the alias adds nothing to bmtwrap
+        bmt.init_distributed(seed=1)
+        class Model(DistributedModule):
+            def __init__(self):
+                super().__init__()
+                self.w = bmt.DistributedParameter(torch.empty(4, 4), init_method=torch.nn.init.eye_)
+                self.blocks = TransformerBlockList([CheckpointBlock(torch.nn.Linear(4, 4))])
+            def forward(self, x):
+                return self.blocks(x @ self.w)
+        model = Model()
+        init_parameters(model)
+        loss = model(torch.ones(2, 4)).sum()
+        loss.backward()
+        bmt.print_rank("rank", config["rank"], "of", config["world_size"], "loss", bmt.sum_loss(loss).item())
+        try:
+            import bmtrain.nn
+        except ImportError:
+            pass
+    """)
+    assert "rank 0 of 1" in out
