@@ -9,9 +9,10 @@ activations; chunking them keeps a few hundred MiB alive instead.
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import ops
@@ -68,6 +69,9 @@ class FusedCrossEntropy(nn.Module):
     """Softmax + NLL in one kernel: bf16/fp16/fp32 logits in, fp32 loss out (BMTrain's class).
 
     Args:
+        weight: a weight per class (V,), as ``torch.nn.functional.cross_entropy``'s; "mean" then
+            divides by the summed weights of the counted rows. With it, the loss is computed by
+            torch in fp32 rather than by the fused kernel (same result, more memory).
         ignore_index: targets equal to it contribute nothing (and are not counted by "mean").
         reduction: "mean" (over non-ignored rows), "sum" or "none".
         label_smoothing: as ``torch.nn.functional.cross_entropy``.
@@ -81,10 +85,14 @@ class FusedCrossEntropy(nn.Module):
         loss = bmt.loss.FusedCrossEntropy(ignore_index=-100)(logits.view(-1, V), labels.view(-1))
     """
 
-    def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-                 inplace: bool = False) -> None:
+    def __init__(self, weight: Optional[torch.Tensor] = None, ignore_index: int = -100, reduction: str = "mean",
+                 label_smoothing: float = 0.0, inplace: bool = False) -> None:
         super().__init__()
         _check(reduction, label_smoothing)
+        if weight is not None and (not isinstance(weight, torch.Tensor) or weight.dim() != 1):
+            raise ValueError(f"weight must be a 1-D tensor with one weight per class, got "
+                             f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+        self.weight = weight
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.label_smoothing = label_smoothing
@@ -107,6 +115,14 @@ class FusedCrossEntropy(nn.Module):
             raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree: the target "
                              "needs the logits' shape without the last (vocabulary) dimension")
         vocab = logits.shape[-1]
+        if self.weight is not None:
+            if self.weight.numel() != vocab:
+                raise ValueError(f"weight has {self.weight.numel()} entries but the logits {vocab} classes")
+            out = F.cross_entropy(logits.reshape(-1, vocab).float(), target.reshape(-1).long(),
+                                  weight=self.weight.to(device=logits.device, dtype=torch.float32),
+                                  ignore_index=self.ignore_index, reduction=self.reduction,
+                                  label_smoothing=self.label_smoothing)
+            return out.view(target.shape) if self.reduction == "none" else out
         flat, flat_target = logits.reshape(-1, vocab).contiguous(), target.reshape(-1).long().contiguous()
         out = _FusedCrossEntropy.apply(flat, flat_target, self.ignore_index, self.label_smoothing, self.reduction,
                                        self.inplace)

@@ -83,3 +83,22 @@ def test_linear_cross_entropy_slices_the_vocabulary(monkeypatch):
     F.cross_entropy(h2 @ w2.T, target).backward()
     torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_fused_cross_entropy_with_class_weights_matches_torch(reduction):
+    """BMTrain's signature: FusedCrossEntropy(weight, ignore_index, reduction, label_smoothing, inplace)."""
+    logits, target, _, _ = data()
+    weight = torch.rand(logits.shape[-1], generator=torch.Generator().manual_seed(3)) + 0.5
+    ours_in = logits.clone().requires_grad_()
+    ref_in = logits.clone().requires_grad_()
+    loss = bmt.loss.FusedCrossEntropy(weight, -100, reduction, 0.1)(ours_in, target)
+    ref = F.cross_entropy(ref_in, target, weight=weight, ignore_index=-100, reduction=reduction, label_smoothing=0.1)
+    torch.testing.assert_close(loss, ref)
+    loss.sum().backward()
+    ref.sum().backward()
+    torch.testing.assert_close(ours_in.grad, ref_in.grad)
+    with pytest.raises(ValueError, match=r"weight must be a 1-D tensor with one weight per class, got \(2, 2\)"):
+        bmt.loss.FusedCrossEntropy(torch.ones(2, 2))
+    with pytest.raises(ValueError, match="weight has 3 entries but the logits 11 classes"):
+        bmt.loss.FusedCrossEntropy(torch.ones(3))(logits, target)
