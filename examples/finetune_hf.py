@@ -163,15 +163,21 @@ class Data:
     train: torch.Tensor  # (N, seq)
     held_out: torch.Tensor  # (M, seq)
     seed: int
+    _order: Tuple[int, Optional[torch.Tensor]] = (-1, None)  # (epoch, its permutation): drawn once per epoch
 
     def batch(self, index: int, size: int) -> torch.Tensor:
         """Sequences ``[index * size, (index + 1) * size)`` of the endless stream of shuffled epochs."""
         rows = []
         for i in range(index * size, (index + 1) * size):
             epoch, position = divmod(i, len(self.train))
-            order = torch.randperm(len(self.train), generator=torch.Generator().manual_seed(self.seed + epoch))
-            rows.append(self.train[order[position]])
+            rows.append(self.train[self._epoch_order(epoch)[position]])
         return torch.stack(rows)  # (size, seq)
+
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        if self._order[0] != epoch:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            self._order = (epoch, torch.randperm(len(self.train), generator=generator))
+        return self._order[1]
 
 
 def load_data(args: argparse.Namespace, tokenizer: Any, text: str) -> Data:
