@@ -1,19 +1,32 @@
 """Full-shaped state of a sharded model: full tensors in (a load hook), gathered tensors out.
 
-A sharded model's own ``state_dict()`` holds this rank's pieces. These are the engine's helpers
-that cross between pieces and full shapes for whole models:
+A sharded model's parameters are this rank's pieces. These are the engine's helpers that cross
+between pieces and full shapes for whole models:
 
 - :func:`shard_full_tensors`, a load-state-dict pre-hook: a full-shaped tensor given for a sharded
   parameter is cut to this rank's piece, so ``load_state_dict`` takes the unwrapped model's state;
+- :func:`gather_full_tensors`, a state-dict post-hook: ``state_dict()`` of a sharded model holds
+  full-shaped copies on the CPU, as an unwrapped model's does (BMTrain's semantics);
 - :func:`full_state_dict` and :func:`full_grad_dict`: every parameter (or gradient) gathered to its
   full shape, under the unwrapped model's keys. They are collectives.
+
+[Note: state_dict of a sharded model]
+``model.state_dict()`` is a collective: every rank calls it and every rank gets every parameter at
+its full shape, as a CPU tensor, under the unwrapped model's keys, so ``torch.save(model.state_dict())``
+writes a file plain torch loads. The hook sits on each module that owns a group (a block, the root
+of a wrapped or hand-written model) and gathers one flat buffer at a time, copying out to the CPU
+before the next, so the GPU never holds more than one buffer beyond what training holds. Inner
+hooks run first (a block before its model's root); an outer hook leaves the entries an inner one
+already replaced. ``state_dict(keep_vars=True)`` asks for the live objects: it returns the sharded
+parameters themselves (this rank's 1-D pieces), which bmtwrap's own checkpoint code reads.
 
 Streaming a model to or from a file one buffer at a time is :mod:`bmtwrap.checkpoint`'s.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+import functools
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -22,7 +35,15 @@ from .collectives import all_gather
 from .group import FlatBuffer, ParamSlot
 from .schedule import engine
 
-__all__ = ["full_grad_dict", "full_state_dict", "shard_full_tensors"]
+__all__ = ["full_grad_dict", "full_state_dict", "gather_full_tensors", "register_full_state_dict",
+           "shard_full_tensors"]
+
+# (module, key prefix) -> (state-dict key, parameter) for the parameters under the module.
+NamedParams = Callable[[nn.Module, str], Iterable[Tuple[str, nn.Parameter]]]
+
+
+def _named_parameters(module: nn.Module, prefix: str) -> Iterable[Tuple[str, nn.Parameter]]:
+    return module.named_parameters(prefix=prefix, remove_duplicate=False)
 
 
 def shard_full_tensors(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any,
@@ -30,7 +51,7 @@ def shard_full_tensors(module: nn.Module, state_dict: Dict[str, Any], prefix: st
     """Load-state-dict pre-hook: a full-shaped tensor for a sharded parameter becomes this rank's piece.
 
     So ``model.load_state_dict(unwrapped_state_dict)`` works on a sharded model, as it does in
-    BMTrain. Pieces (what ``state_dict()`` of a sharded model holds) pass through unchanged.
+    BMTrain. Pieces (what ``state_dict(keep_vars=True)`` of a sharded model holds) pass through unchanged.
     """
     eng = engine()
     named = module.named_parameters(prefix=prefix[:-1], remove_duplicate=False)
@@ -46,6 +67,39 @@ def shard_full_tensors(module: nn.Module, state_dict: Dict[str, Any], prefix: st
             error_msgs.append(f"size mismatch for {key.replace('_module.', '')}: the checkpoint has shape "
                               f"{tuple(value.shape)}, the model {tuple(slot.shape)}")
             state_dict[key] = param.detach()  # reported above; keep torch from reporting the local shape too
+
+
+@torch.no_grad()
+def gather_full_tensors(named: NamedParams, module: nn.Module, state_dict: Dict[str, Any], prefix: str,
+                        local_metadata: Any) -> None:
+    """State-dict post-hook: this rank's pieces under ``module`` become full-shaped CPU tensors.
+
+    ``named(module, prefix)`` lists ``(state-dict key, parameter)`` for the module's parameters (a
+    :class:`~bmtwrap.Block` names them without its ``_module.`` level); bound by
+    :func:`register_full_state_dict`. See [Note: state_dict of a sharded model].
+    """
+    eng = engine()
+    by_buffer: Dict[int, Tuple[FlatBuffer, List[Tuple[str, ParamSlot]]]] = {}
+    for key, param in named(module, prefix[:-1]):
+        value = state_dict.get(key)
+        if value is None or value is param or not eng.registry.is_sharded(param):
+            continue  # absent, kept as a live object (keep_vars=True), or not sharded
+        buffer, slot = eng.registry.slot_of(eng.ctx, param)
+        if value.untyped_storage().data_ptr() != buffer.local.untyped_storage().data_ptr():
+            continue  # an inner module's hook has gathered it already
+        by_buffer.setdefault(id(buffer), (buffer, []))[1].append((key, slot))
+    for buffer, entries in by_buffer.values():
+        with buffer.gathered() as flat:
+            for key, slot in entries:
+                state_dict[key] = slot.view_in(flat).to("cpu", copy=True)
+
+
+def register_full_state_dict(module: nn.Module, named: NamedParams = _named_parameters) -> Any:
+    """Give ``module.state_dict()`` full-shaped values (see [Note: state_dict of a sharded model]).
+
+    ``named`` defaults to the module's own ``named_parameters``; returns the hook's handle.
+    """
+    return module.register_state_dict_post_hook(functools.partial(gather_full_tensors, named))
 
 
 @torch.no_grad()

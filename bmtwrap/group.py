@@ -110,6 +110,8 @@ class FlatBuffer:
         self.layout = layout
         self.local = local
         self.slots = slots
+        # Whether the parameters required gradients when they were sharded (the grouping key). A
+        # parameter's requires_grad may change since: the gradients that arrive are reduced anyway.
         self.requires_grad = requires_grad
         self.reduce_dtype = reduce_dtype or local.dtype
         # What this buffer keeps on the host (see [Note: offloaded shards]); ``local`` was allocated by it.
@@ -275,7 +277,6 @@ class FlatBuffer:
 
     def reduce_grads(self, grads: Sequence[Optional[torch.Tensor]]) -> PendingReduction:
         """Copy the full gradients into one flat buffer and start its reduce-scatter."""
-        assert self.requires_grad, f"rank {self.ctx.rank}: gradients for a frozen buffer"
         full_grad = torch.empty(self.layout.padded_total, dtype=self.reduce_dtype, device=self.ctx.device)
         for slot, grad in zip(self.slots, grads):
             target = full_grad[slot.offset : slot.offset + slot.numel]
@@ -301,20 +302,24 @@ class FlatBuffer:
         """
         if shard.dtype != self.dtype:
             shard = shard.to(self.dtype)
-        params = [s.param for s in self.slots]
+        # Only trainable parameters get a .grad, as autograd would give them (one frozen after
+        # sharding keeps None); the flat shard may hold values of the others, which nobody reads.
+        slots = [s for s in self.slots if s.param.requires_grad]
+        params = [s.param for s in slots]
         if self.offloaded:
             shard = self._to_host(shard, wait=not all(p.grad is None for p in params))
-        if self._grad_flat is not None and all(p.grad is v for p, v in zip(params, self._grad_views)):
+        if (self._grad_flat is not None and len(params) == len(self._grad_views)
+                and all(p.grad is v for p, v in zip(params, self._grad_views))):
             self._grad_flat.add_(shard)
             return
         if all(p.grad is None for p in params):
             self._grad_flat = shard
-            self._grad_views = [shard[s.piece.shard_start : s.piece.shard_end] for s in self.slots]
+            self._grad_views = [shard[s.piece.shard_start : s.piece.shard_end] for s in slots]
             for p, view in zip(params, self._grad_views):
                 p.grad = view
             return
         self._grad_flat = None
-        for slot in self.slots:
+        for slot in slots:
             piece = shard[slot.piece.shard_start : slot.piece.shard_end]
             if slot.param.grad is None:
                 slot.param.grad = piece.clone()
@@ -374,6 +379,12 @@ class ParamRegistry:
             key = id(slot.param)
             self._entries[key] = (weakref.ref(slot.param, lambda _, k=key: self._entries.pop(k, None)), buffer, index)
 
+    def remove(self, buffer: FlatBuffer) -> None:
+        """Forget the buffer's parameters (they hold their full values again: an unwrapped group)."""
+        for slot in buffer.slots:
+            if self.lookup(slot.param) is not None:
+                del self._entries[id(slot.param)]
+
     def lookup(self, param: torch.Tensor) -> Optional[Tuple[FlatBuffer, int]]:
         entry = self._entries.get(id(param))
         if entry is None or entry[0]() is not param:
@@ -386,7 +397,8 @@ class ParamRegistry:
         return buffer, buffer.slots[index]
 
     def is_sharded(self, param: torch.Tensor) -> bool:
-        return self.lookup(param) is not None or isinstance(param, DistributedParameter)
+        lone = isinstance(param, DistributedParameter) and param._standalone is not None
+        return lone or self.lookup(param) is not None
 
     def buffer_of(self, ctx: DistContext, param: torch.Tensor) -> Tuple[FlatBuffer, int]:
         """The buffer of a sharded parameter; a lone DistributedParameter gets one of its own."""
@@ -446,6 +458,14 @@ class ParamGroup:
         self.buffers = buffers
         self.on_reduce = on_reduce
         self.slots: List[ParamSlot] = [slot for buffer in buffers for slot in buffer.slots]
+        self.dissolved = False
+
+    def dissolve(self) -> None:
+        """The parameters left this group (see ``shard.unshard_group``): it holds nothing from now on, so a
+        schedule link that still names it gathers nothing."""
+        self.buffers = []
+        self.slots = []
+        self.dissolved = True
 
     @property
     def gathered(self) -> bool:
@@ -453,7 +473,8 @@ class ParamGroup:
 
     @property
     def trainable(self) -> bool:
-        return any(b.requires_grad and any(s.param.requires_grad for s in b.slots) for b in self.buffers)
+        # Read now, not at sharding: a parameter frozen when its group was built may be trained since.
+        return any(slot.param.requires_grad for slot in self.slots)
 
     def prefetch(self) -> None:
         for buffer in self.buffers:
@@ -493,7 +514,7 @@ class ParamGroup:
             count = len(buffer.slots)
             chunk = grads[cursor : cursor + count]
             cursor += count
-            if buffer.requires_grad and any(g is not None for g in chunk):
+            if any(g is not None for g in chunk):
                 pending.append(buffer.reduce_grads(chunk))
         self.on_reduce(self, pending)
 

@@ -186,10 +186,13 @@ class DistributedParameter(torch.nn.Parameter):
         """The ``group`` name given at construction (``None`` if none); bmtwrap does not use it."""
         return self._group
 
-    def __deepcopy__(self, memo: dict) -> "DistributedParameter":
-        raise NotImplementedError(
-            "deep-copying a sharded parameter is not supported: copy the model before sharding it"
-        )
+    def __deepcopy__(self, memo: dict) -> torch.nn.Parameter:
+        """A plain ``nn.Parameter`` holding a copy of this rank's piece (1-D), as a deep copy of any sharded
+        parameter gives; a snapshot to compare against, not a sharded parameter (copy models before
+        sharding them)."""
+        if id(self) not in memo:
+            memo[id(self)] = torch.nn.Parameter(self.detach().clone(), requires_grad=self.requires_grad)
+        return memo[id(self)]
 
     def __repr__(self) -> str:
         return f"DistributedParameter(shape={tuple(self._original_shape)}, local={self.numel()}, dtype={self.dtype})"

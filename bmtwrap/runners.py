@@ -126,6 +126,7 @@ class BlockRunner:
         # Backward events still expected from the forwards since the last backward (see _maybe_release).
         self._awaiting_inputs = 0
         self._awaiting_params = 0
+        self._engine.register_block(module, self)
 
     def measure_activations(self, probe: Optional[Callable[["BlockRunner", int], None]]) -> None:
         """Tell ``probe`` the bytes each recomputation of this block keeps alive (CUDA); ``None`` stops it."""
@@ -289,13 +290,17 @@ class RootRunner:
         return averaged
 
     def enter(self) -> bool:
-        """Start of a forward: gather and show full parameters, unless a root or block is running."""
+        """Start of a forward: gather and show full parameters. Not inside a block, nor when a running root
+        holds this group already (see :meth:`Engine.may_enter_root`); returns whether it entered."""
         eng = self._engine
-        if eng.state is TrainingState.FORWARD:
+        if not eng.may_enter_root(self):
             return False
-        eng.recover_if_stale()
-        eng.enter_root(self)
-        for group in eng.schedule.root_gathers(self):  # the first block's gather in flight with the root's
+        if eng.state is not TrainingState.FORWARD:
+            eng.recover_if_stale()
+        outermost = eng.enter_root(self)
+        # The outermost root's first block is gathered together with the root; a root entered inside
+        # another's forward (a separately wrapped model being called) gathers its own group only.
+        for group in eng.schedule.root_gathers(self) if outermost else [self.group]:
             group.prefetch()
         self.group.ensure_gathered()
         self.group.swap_in(self.group.unshard())
@@ -307,7 +312,7 @@ class RootRunner:
 
     def exit(self) -> None:
         """End of the forward this root entered."""
-        if self._engine.active_root is not self:
+        if not self._engine.root_running(self):
             return
         self._engine.leave_root(self)
         self.group.swap_out()

@@ -87,6 +87,10 @@ class WrapRecord(Protocol):
 
     model: "weakref.ref[nn.Module]"
 
+    def dissolve(self) -> None:
+        """Undo the wrapping: every parameter full again, the model's hooks and block forwards removed."""
+        ...
+
 
 class ExecutionOrder:
     """Learns "who runs next / ran before" from the order blocks first run in.
@@ -169,10 +173,14 @@ class Engine:
         self.ctx = ctx
         self.registry = ParamRegistry()
         self.schedule = Schedule()
-        self._active_root: Optional[Participant] = None
+        # Roots whose forward is running, outermost first: a model's root, then the roots of
+        # separately wrapped models it calls (see RootRunner.enter).
+        self._active_roots: List[Participant] = []
         self._block_depth = 0  # > 0 while a block's module runs
         self._blocks_built = 0  # numbers block names, for messages and traces
         self._wrapped: Dict[int, WrapRecord] = {}  # id(model) -> what bmtwrap.wrap made of it
+        # The module each block runs -> its runner: a Block or a block wrap made (see block_runner_of).
+        self._block_runners: "weakref.WeakKeyDictionary[nn.Module, Linked]" = weakref.WeakKeyDictionary()
         # Reductions in flight, each with whether it is the buffer's last in this backward.
         self._pending: List[Tuple[PendingReduction, bool]] = []
         # Told of each buffer whose gradient is final for this backward (an optimizer stepping in
@@ -196,28 +204,46 @@ class Engine:
         Derived, not stored: forward and backward overlap (a checkpointed block recomputes its
         forward inside backward), so FORWARD, which a running root or block means, comes first.
         """
-        if self._active_root is not None or self._block_depth > 0:
+        if self._active_roots or self._block_depth > 0:
             return TrainingState.FORWARD
         if self._callback_task != -1:
             return TrainingState.BACKWARD
         return TrainingState.IDLE
 
-    @property
-    def active_root(self) -> Optional[Participant]:
-        """The root whose forward is running (the outermost one entered), if any."""
-        return self._active_root
+    def root_running(self, root: Participant) -> bool:
+        """Whether ``root``'s forward is running (it entered and has not left)."""
+        return any(active is root for active in self._active_roots)
+
+    def may_enter_root(self, root: Participant) -> bool:
+        """Whether ``root`` should gather its group for a forward starting now.
+
+        Not inside a block (a block gathers what it runs), and not while a running root already
+        holds any of its buffers (a hand-written model's root covers the lone parameters of the
+        modules inside it, and a root is entered once however often its entry points nest).
+        """
+        if self._block_depth > 0:
+            return False
+        buffers = {id(buffer) for buffer in root.group.buffers}
+        return not any(buffers.intersection(id(b) for b in active.group.buffers) or active is root
+                       for active in self._active_roots)
 
     # --- forward ---------------------------------------------------------------------------------
-    def enter_root(self, root: Participant) -> None:
-        """IDLE/BACKWARD → FORWARD: ``root`` starts a forward; the next block recorded begins a new order."""
-        assert self.state is not TrainingState.FORWARD, f"rank {self.ctx.rank}: a root entered inside a forward"
-        self._active_root = root
-        self.schedule.order.restart()
+    def enter_root(self, root: Participant) -> bool:
+        """→ FORWARD: ``root`` starts a forward. Returns whether it is the outermost one, whose forward
+        begins a new execution order (a root entered inside it belongs to a model it calls)."""
+        assert self.may_enter_root(root), f"rank {self.ctx.rank}: a root entered where it may not"
+        outermost = not self._active_roots
+        if outermost:
+            self.schedule.order.restart()
+        self._active_roots.append(root)
+        return outermost
 
     def leave_root(self, root: Participant) -> None:
         """The forward ``root`` entered has returned."""
-        assert self._active_root is root, f"rank {self.ctx.rank}: a root left a forward it did not enter"
-        self._active_root = None
+        assert self._active_roots and self._active_roots[-1] is root, (
+            f"rank {self.ctx.rank}: a root left a forward it did not enter last"
+        )
+        self._active_roots.pop()
 
     def enter_block(self) -> None:
         """A block's module starts running (FORWARD until the matching :meth:`leave_block`)."""
@@ -231,6 +257,15 @@ class Engine:
         """``participant`` ran forward with autograd recording; it takes part in the next backward."""
         if not any(p is participant for p in self._in_backward):
             self._in_backward.append(participant)
+
+    def register_block(self, module: nn.Module, runner: Linked) -> None:
+        """``runner`` runs ``module`` as a block from now on."""
+        self._block_runners[module] = runner
+
+    def block_runner_of(self, module: nn.Module) -> Optional[Linked]:
+        """The runner of the block that runs ``module``, if one does (its group owns the module's parameters)."""
+        runner = self._block_runners.get(module)
+        return runner if runner is not None and not runner.group.dissolved else None
 
     def next_block_number(self) -> int:
         """A new number for a block's name (0, 1, 2, ... in the order blocks are built)."""
@@ -247,6 +282,21 @@ class Engine:
         """What :func:`bmtwrap.wrap` made of ``model``; ``None`` if it did not wrap this very object."""
         record = self._wrapped.get(id(model))
         return record if record is not None and record.model() is model else None
+
+    def dissolve_wrapped_under(self, module: nn.Module, *, keep: Optional[nn.Module] = None) -> None:
+        """Undo :func:`bmtwrap.wrap` for every wrapped model inside ``module`` (``module`` itself included,
+        ``keep`` excepted), so that an enclosing block or wrap shards those parameters itself.
+
+        A collective: every rank must build the same enclosing block.
+        """
+        inside = {id(m) for m in module.modules()}
+        for key, record in list(self._wrapped.items()):
+            model = record.model()
+            if model is None:
+                del self._wrapped[key]
+            elif id(model) in inside and model is not keep:
+                record.dissolve()
+                del self._wrapped[key]
 
     @property
     def wrapped(self) -> Mapping[int, WrapRecord]:

@@ -18,7 +18,7 @@ from .group import FlatBuffer, GradSink, Owner, ParamGroup, ParamRegistry, Param
 from .offload import OffloadPolicy
 from .param import DistributedParameter, build_layout
 
-__all__ = ["build_group", "find_owners", "lone_group"]
+__all__ = ["build_group", "find_owners", "lone_group", "unshard_group"]
 
 
 def find_owners(module: nn.Module) -> Dict[int, List[Tuple[str, Owner]]]:
@@ -30,6 +30,11 @@ def find_owners(module: nn.Module) -> Dict[int, List[Tuple[str, Owner]]]:
                 qualified = f"{prefix}.{attr}" if prefix else attr
                 owners.setdefault(id(param), []).append((qualified, (sub, attr)))
     return owners
+
+
+def _is_lone(param: nn.Parameter) -> bool:
+    """A DistributedParameter sharded on its own (its value is spread over the ranks, not in ``param``)."""
+    return isinstance(param, DistributedParameter) and param._standalone is not None
 
 
 def _check_devices(ctx: DistContext, named: Sequence[Tuple[str, nn.Parameter]], where: str, allow_meta: bool) -> None:
@@ -76,13 +81,13 @@ def build_group(ctx: DistContext, registry: ParamRegistry, module: nn.Module, na
     for qualified, param in module.named_parameters():
         if id(param) in excluded:
             continue
-        if registry.lookup(param) is not None:
+        if registry.lookup(param) is not None and not _is_lone(param):  # a lone one's own buffer is superseded
             raise ValueError(
                 f"parameter '{qualified}' of {name} already belongs to another block; a parameter can be "
                 "sharded by one block only"
             )
         named.append((qualified, param))
-    _check_devices(ctx, [(n, p) for n, p in named if not isinstance(p, DistributedParameter)], name, allow_meta)
+    _check_devices(ctx, [(n, p) for n, p in named if not _is_lone(p)], name, allow_meta)
     on_meta = any(p.device.type == "meta" for _, p in named)
 
     by_kind: Dict[Tuple[torch.dtype, bool], List[Tuple[str, nn.Parameter]]] = {}
@@ -91,14 +96,14 @@ def build_group(ctx: DistContext, registry: ParamRegistry, module: nn.Module, na
 
     buffers = []
     for (dtype, requires_grad), members in by_kind.items():
-        shapes = [p._original_shape if isinstance(p, DistributedParameter) else p.shape for _, p in members]
+        shapes = [p._original_shape if _is_lone(p) else p.shape for _, p in members]
         layout = build_layout([s.numel() for s in shapes], ctx.world_size, torch.empty((), dtype=dtype).element_size())
         local = offload.new_shard(layout.shard_size, dtype, ctx.device, zeroed=not on_meta)
         slots = []
         for index, ((qualified, param), shape) in enumerate(zip(members, shapes)):
             piece = layout.piece(index, ctx.rank)
             if not on_meta:
-                if isinstance(param, DistributedParameter):
+                if _is_lone(param):
                     value = full_value(ctx, registry, param)
                 else:
                     value = param.detach()
@@ -138,3 +143,22 @@ def lone_group(ctx: DistContext, registry: ParamRegistry, params: Sequence[Tuple
         slot.owners = tuple(owner for _, owner in owners[id(param)])
         buffers.append(buffer)
     return ParamGroup(name, buffers, on_reduce)
+
+
+@torch.no_grad()
+def unshard_group(registry: ParamRegistry, group: ParamGroup) -> None:
+    """Give every parameter of ``group`` its full value back, in place, and dissolve the group.
+
+    A collective (one gather per buffer). Each parameter object stays the same and holds its
+    full-shaped value on this process's device, ready to be sharded again by another group (a
+    model wrapped on its own, then put inside a :class:`~bmtwrap.Block`). Gradients of the
+    pieces are dropped: they have no full-shaped meaning on one rank.
+    """
+    for buffer in group.buffers:
+        with buffer.gathered() as flat:
+            values = [slot.view_in(flat).clone() for slot in buffer.slots]
+        registry.remove(buffer)
+        for slot, value in zip(buffer.slots, values):
+            slot.param.grad = None
+            slot.param.data = value
+    group.dissolve()

@@ -56,16 +56,25 @@ def test_the_last_block_is_known_only_after_a_whole_step():
 
 def test_engine_state_follows_roots_and_blocks():
     eng = Engine(SimpleNamespace(rank=0))
-    root = SimpleNamespace(group=None, backward_done=lambda: None)
+    shared, other = object(), object()  # flat buffers, as far as the engine cares
+    root = SimpleNamespace(group=SimpleNamespace(buffers=[shared]), backward_done=lambda: None)
+    nested = SimpleNamespace(group=SimpleNamespace(buffers=[other]), backward_done=lambda: None)
+    covered = SimpleNamespace(group=SimpleNamespace(buffers=[shared]), backward_done=lambda: None)
     assert eng.state is TrainingState.IDLE
-    eng.enter_root(root)
-    assert eng.state is TrainingState.FORWARD and eng.active_root is root
-    with pytest.raises(AssertionError, match="rank 0: a root entered inside a forward"):
+    assert eng.enter_root(root) is True
+    assert eng.state is TrainingState.FORWARD and eng.root_running(root)
+    assert not eng.may_enter_root(root) and not eng.may_enter_root(covered)
+    with pytest.raises(AssertionError, match="rank 0: a root entered where it may not"):
         eng.enter_root(root)
+    assert eng.enter_root(nested) is False  # a separately wrapped model called inside this forward
+    with pytest.raises(AssertionError, match="rank 0: a root left a forward it did not enter last"):
+        eng.leave_root(root)
+    eng.leave_root(nested)
     eng.enter_block()
+    assert not eng.may_enter_root(nested)  # a block gathers what it runs
     eng.leave_block()
     eng.leave_root(root)
-    assert eng.state is TrainingState.IDLE and eng.active_root is None
+    assert eng.state is TrainingState.IDLE and not eng.root_running(root)
     eng.enter_block()
     assert eng.state is TrainingState.FORWARD
     eng.leave_block()

@@ -12,7 +12,12 @@
   blocks) for the duration of its forward; so does a model inside it whose forward a wrapper's
   methods call directly (the adapter's ``entry_points``).
 - Buffers move to this process's device.
-- ``load_state_dict`` accepts the unwrapped model's full tensors as well as pieces.
+- ``load_state_dict`` accepts the unwrapped model's full tensors as well as pieces, and
+  ``state_dict()`` gives full-shaped CPU tensors (see [Note: state_dict of a sharded model] in
+  ``full_state.py``).
+- Wrapping is undone (:meth:`Wrapped.dissolve`) when the model, or a model containing it, is then
+  put inside a :class:`~bmtwrap.Block` or wrapped as a whole: the enclosing group shards the
+  parameters of the blocks that run them.
 """
 
 from __future__ import annotations
@@ -20,17 +25,18 @@ from __future__ import annotations
 import functools
 import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .. import dist as _dist
-from ..full_state import shard_full_tensors
+from ..full_state import register_full_state_dict, shard_full_tensors
 from ..group import ROOT_LABEL
 from ..offload import OffloadPolicy
 from ..runners import BlockModule, BlockRunner, RootRunner
-from ..shard import build_group
+from ..shard import build_group, unshard_group
 from ..schedule import engine
 from .adapters import ModelAdapter, adapter_for
 from .detect import LayerPolicy
@@ -64,6 +70,20 @@ class Wrapped:
     # Modules whose non-persistent buffers (rotary inv_freq, ...) were on the meta device: no state
     # dict holds them, so they are recomputed by the model's initialiser after loading.
     stale_buffers: List[nn.Module]
+    handles: List[RemovableHandle]  # every hook wrap registered, for dissolve()
+    restore_forwards: List[Callable[[], None]]  # each block's forward as it was before wrap
+
+    def dissolve(self) -> None:
+        """Undo the wrapping (a collective): every parameter holds its full value again, on this
+        process's device; the blocks' forwards and every hook are removed."""
+        for handle in self.handles:
+            handle.remove()
+        for restore in self.restore_forwards:
+            restore()
+        registry = engine().registry
+        for _, runner in self.runners:
+            unshard_group(registry, runner.group)
+        unshard_group(registry, self.root.group)
 
 
 def _check_options(checkpoint: Checkpoint, zero_level: Optional[int], memory_budget: Optional[int]) -> None:
@@ -189,23 +209,35 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                     )
 
 
-def _install_forward(module: nn.Module, runner: BlockRunner) -> None:
+def _install_forward(module: nn.Module, runner: BlockRunner) -> Callable[[], None]:
+    """Run ``module``'s forward through ``runner``; returns what undoes it."""
+    had_own = "forward" in module.__dict__  # an instance forward set by another library (accelerate's hooks)
     original = module.forward
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
         return runner.run(original, args, kwargs)
 
+    forward.block_runner = runner  # a Block built over this module calls it instead of running it again
     module.forward = forward
 
+    def restore() -> None:
+        if had_own:
+            module.forward = original
+        else:
+            del module.forward
 
-def _attach_root(model: nn.Module, root: RootRunner, entry_points: List[nn.Module]) -> None:
+    return restore
+
+
+def _attach_root(model: nn.Module, root: RootRunner, entry_points: List[nn.Module]) -> List[RemovableHandle]:
     """Gather the root group around the forward of each entry point, the outermost call only.
 
     A wrapper's own methods may call the model inside it directly (peft's ``generate`` calls the
     Hugging Face model's), so each entry point enters the root; a nested call finds it entered and
-    leaves it to the call that did.
+    leaves it to the call that did. Returns the hooks' handles.
     """
+    handles = []
     for module in entry_points:
         entered: List[bool] = []  # per call on this module, innermost last: whether it entered the root
 
@@ -217,9 +249,11 @@ def _attach_root(model: nn.Module, root: RootRunner, entry_points: List[nn.Modul
             if entered.pop():
                 root.exit()
 
-        module.register_forward_pre_hook(enter)
-        module.register_forward_hook(leave, always_call=True)
-    model.register_load_state_dict_pre_hook(shard_full_tensors)
+        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_hook(leave, always_call=True))
+    handles.append(model.register_load_state_dict_pre_hook(shard_full_tensors))
+    handles.append(register_full_state_dict(model))
+    return handles
 
 
 def _move_buffers(model: nn.Module, device: torch.device) -> None:
@@ -309,6 +343,7 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
         return model
     if any(isinstance(m, BlockModule) for m in model.modules()):
         raise ValueError("this model already contains bmtwrap Blocks; wrap a plain model, or use the Blocks as they are")
+    eng.dissolve_wrapped_under(model)  # wrapped parts are sharded again as parts of this model
 
     the_plan, blocks, shared_ids = make_plan(model, ctx.world_size, layers=layers, checkpoint=checkpoint,
                                              offload=OffloadOptions(params=offload_params))
@@ -316,11 +351,14 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
     adapter.prepare(model)
 
     runners: List[Tuple[nn.Module, BlockRunner]] = []
+    handles: List[RemovableHandle] = []
+    restore_forwards: List[Callable[[], None]] = []
     for (name, module), block_plan in zip(blocks, the_plan.blocks):
         runner = BlockRunner(module, name, recompute=bool(block_plan.checkpoint), zero_level=options.zero_level,
                              reduce_dtype=reduce_dtype, exclude=shared_ids, allow_meta=True,
                              offload=OffloadPolicy(params=options.offload_params))
-        _install_forward(module, runner)
+        restore_forwards.append(_install_forward(module, runner))
+        handles.append(register_full_state_dict(module))
         runners.append((module, runner))
     owned = {id(slot.param) for _, runner in runners for slot in runner.group.slots}
     # The root group stays on the device even with offload_params: it is gathered for the whole step
@@ -329,14 +367,15 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
     root_group = build_group(ctx, eng.registry, model, ROOT_LABEL, lambda g, p: None, reduce_dtype,
                              exclude=owned, allow_meta=True)
     root = RootRunner(eng, root_group, replicated=[])
-    _attach_root(model, root, adapter.entry_points(model))
+    handles += _attach_root(model, root, adapter.entry_points(model))
     stale = [m for m in model.modules()
              if any(b is not None and b.is_meta and n in m._non_persistent_buffers_set for n, b in m._buffers.items())]
     _move_buffers(model, ctx.device)
     if checkpoint == "auto":
         AutoRecompute([r for _, r in runners], memory_budget, ctx.device)
     eng.install_step_check(_check_optimizer)
-    eng.register_wrapped(model, Wrapped(weakref.ref(model), options, the_plan, runners, root, adapter, stale))
+    record = Wrapped(weakref.ref(model), options, the_plan, runners, root, adapter, stale, handles, restore_forwards)
+    eng.register_wrapped(model, record)
     return model
 
 
