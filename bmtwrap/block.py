@@ -2,8 +2,20 @@
 
 The engine's side (gather, prefetch, checkpointing, gradient reduction) is
 :class:`~bmtwrap.runners.BlockRunner` (see [Note: block lifetime in a step] in runners.py); this
-file adds what BMTrain programs see: a module holding the wrapped one, a name per block, and
-state-dict keys without the ``_module.`` level.
+file adds what BMTrain programs see: a module holding the wrapped one, a name per block,
+state-dict keys without the ``_module.`` level, attributes read through to the inner module, and
+BMTrain's sharing rules.
+
+[Note: blocks that share a runner]
+One runner (one group of parameters) may serve several ``Block`` objects, as BMTrain's reference
+blocks do:
+- a plain module listed twice in a :class:`~bmtwrap.TransformerBlockList` becomes two blocks over
+  one runner (weights shared across depth);
+- ``Block(m)`` where ``wrap`` already made ``m`` a block (``BMTrainModelWrapper(model)``, then
+  ``TransformerBlockList(model.layers)``) adopts wrap's runner: calling ``m`` already runs it
+  through the runner, so the block calls ``m`` and wrap's root stays in charge of the rest.
+A module that a wrapped model holds inside (``Block(BMTrainModelWrapper(sub))``) is not shared: the
+wrapping is undone and the block shards those parameters itself.
 """
 
 from __future__ import annotations
@@ -14,12 +26,12 @@ from typing import Any, Dict, Optional
 import torch
 from torch import nn
 
-from .full_state import shard_full_tensors
+from .full_state import register_full_state_dict, shard_full_tensors
 from .offload import OffloadPolicy
 from .runners import BlockModule, BlockRunner
 from .schedule import engine
 
-__all__ = ["Block", "CheckpointBlock"]
+__all__ = ["Block", "BlockSharingError", "CheckpointBlock"]
 
 
 def _unique_name(module: nn.Module) -> str:
@@ -32,10 +44,22 @@ def _strip_module_prefix(module: nn.Module, state_dict: Dict[str, Any], prefix: 
         state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
 
 
+def _inner_named_parameters(block: nn.Module, prefix: str) -> Any:
+    return block._module.named_parameters(prefix=prefix, remove_duplicate=False)
+
+
 def _add_module_prefix(module: nn.Module, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
     inner = prefix + "_module."
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
         state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+
+
+class BlockSharingError(ValueError, AssertionError):
+    """A ``Block`` given twice to one block list, or a pipeline list given a block not built for it.
+
+    A ``ValueError`` (bad input); also an ``AssertionError``, which is what BMTrain raises here,
+    so that code catching BMTrain's error keeps working.
+    """
 
 
 class Block(BlockModule):
@@ -43,25 +67,35 @@ class Block(BlockModule):
 
     Wrapping a module shards its parameters at once: each becomes a 1-D view of this rank's
     piece. Calling the block gathers them (prefetched while the previous block computes), runs
-    the module with every positional and keyword argument, and returns whatever it returns;
-    backward reduce-scatters the gradients (averaged over ranks) into the pieces' ``.grad``.
+    the module with every positional and keyword argument, and returns whatever it returns
+    (a list as a tuple, as BMTrain's block does); backward reduce-scatters the gradients
+    (averaged over ranks) into the pieces' ``.grad``. Attributes the block does not have are
+    read from the inner module (``block.linear.weight``), as in BMTrain.
 
     Args:
-        inner_module: the module to run as a block.
+        inner_module: the module to run as a block. A module that :func:`bmtwrap.wrap` made a
+            block is adopted with its sharding; a wrapped model inside is re-sharded as part of
+            this block (see [Note: blocks that share a runner]).
         use_checkpoint: recompute activations in backward (default) instead of storing them.
         zero_level: 3 frees gathered parameters after forward, 2 keeps them for backward;
             default: the value given to :func:`bmtwrap.init_distributed`.
+        initialized: BMTrain's flag for a block whose storage another block made; accepted and
+            not needed (bmtwrap shards at construction, and shares storage by itself).
+        mode: ``"BLOCK"``, or ``"PIPE"`` for a block meant for a
+            :class:`~bmtwrap.PipelineTransformerBlockList` (with one pipeline stage, the same).
         reduce_dtype: dtype gradients are averaged in; default: the parameters' own.
         offload_params: keep this block's parameter shards (and their gradients) in pinned CPU
             memory; the GPU holds them only while the block is gathered (see :func:`bmtwrap.wrap`).
 
-    State dict keys are the inner module's, without a ``_module.`` level, as in BMTrain; its
-    values are this rank's pieces. ``load_state_dict`` accepts pieces or full-shaped tensors.
+    State dict keys are the inner module's, without a ``_module.`` level, and its values are
+    full-shaped CPU tensors, as in BMTrain: ``state_dict()`` is a collective that gathers the block
+    (``keep_vars=True`` gives the sharded parameters themselves). ``load_state_dict`` accepts
+    full-shaped tensors or this rank's pieces.
 
     Raises:
-        TypeError: ``inner_module`` is not an ``nn.Module``.
+        TypeError: ``inner_module`` is not an ``nn.Module``, or is a ``Block``.
         ValueError: parameters on several devices or on another GPU than this process's; a
-            parameter another block already owns; ``zero_level`` not 2 or 3.
+            parameter another ``Block`` already owns; ``zero_level`` not 2 or 3; an unknown ``mode``.
         RuntimeError: :func:`bmtwrap.init_distributed` was not called.
 
     Example::
@@ -71,22 +105,60 @@ class Block(BlockModule):
     """
 
     def __init__(self, inner_module: nn.Module, use_checkpoint: bool = True, zero_level: Optional[int] = None,
-                 *, reduce_dtype: Optional[torch.dtype] = None, offload_params: bool = False) -> None:
+                 initialized: bool = False, mode: str = "BLOCK", *, reduce_dtype: Optional[torch.dtype] = None,
+                 offload_params: bool = False) -> None:
         if not isinstance(inner_module, nn.Module):
             raise TypeError(
                 f"Block expects an nn.Module, got {type(inner_module).__name__}; wrap the layer module itself"
             )
         if isinstance(inner_module, Block):
             raise TypeError("Block got a Block; a module is wrapped once")
+        if mode not in ("BLOCK", "PIPE"):
+            raise ValueError(f"Block mode must be 'BLOCK' or 'PIPE', got {mode!r}")
+        del initialized  # see the docstring
         super().__init__()
         self._module = inner_module
-        self._runner = BlockRunner(inner_module, _unique_name(inner_module), recompute=use_checkpoint,
-                                   zero_level=zero_level, reduce_dtype=reduce_dtype,
-                                   offload=OffloadPolicy(params=offload_params))
+        self._mode = mode
+        eng = engine()
+        # A model wrapped on its own (BMTrainModelWrapper) inside: its parameters join this block.
+        eng.dissolve_wrapped_under(inner_module)
+        adopted = eng.block_runner_of(inner_module)
+        installed = getattr(inner_module.__dict__.get("forward"), "block_runner", None)
+        if adopted is not None and adopted is installed:
+            self._runner: BlockRunner = adopted  # a block wrap made: calling the module runs it
+            self._calls_module = True
+        else:
+            self._runner = BlockRunner(inner_module, _unique_name(inner_module), recompute=use_checkpoint,
+                                       zero_level=zero_level, reduce_dtype=reduce_dtype,
+                                       offload=OffloadPolicy(params=offload_params))
+            self._calls_module = False
+        self._setup()
+
+    def _setup(self) -> None:
         self._owner_list: Optional["weakref.ref[nn.Module]"] = None  # the TransformerBlockList holding it
         self.register_state_dict_post_hook(_strip_module_prefix)
+        register_full_state_dict(self, _inner_named_parameters)  # after the keys lose "_module."
         self.register_load_state_dict_pre_hook(_add_module_prefix)  # must run before the next one
         self.register_load_state_dict_pre_hook(shard_full_tensors)
+
+    def _sharing(self) -> "Block":
+        """A second block over the same module and runner (a module listed twice in a block list)."""
+        twin = Block.__new__(Block)
+        BlockModule.__init__(twin)
+        twin._module = self._module
+        twin._mode = self._mode
+        twin._runner = self._runner
+        twin._calls_module = self._calls_module
+        twin._setup()
+        return twin
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "_module":  # not set yet (inside __init__)
+                raise
+            return getattr(self._module, name)
 
     @property
     def runner(self) -> BlockRunner:
@@ -94,8 +166,13 @@ class Block(BlockModule):
         return self._runner
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Gather the parameters, run the inner module with every argument, return what it returns."""
-        return self._runner.run(self._module, args, kwargs)
+        """Gather the parameters, run the inner module with every argument, return what it returns
+        (a list as a tuple, as BMTrain's block does)."""
+        if self._calls_module:
+            out = self._module(*args, **kwargs)
+        else:
+            out = self._runner.run(self._module, args, kwargs)
+        return tuple(out) if isinstance(out, list) else out
 
 
 CheckpointBlock = Block

@@ -3,38 +3,85 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterable, Iterator, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Sequence, Set, Union
 
 import torch
 from torch import nn
 
-from .block import Block
+from .block import Block, BlockSharingError
 
 __all__ = ["PipelineTransformerBlockList", "TransformerBlockList"]
+
+
+def _make_blocks(modules: Iterable[nn.Module], list_name: str, *, pipe: bool) -> List[Block]:
+    """Blocks for a block list's elements, with BMTrain's rules (checked before anything is built or claimed)."""
+    modules = list(modules)
+    if not modules:
+        raise ValueError(f"{list_name} needs at least one module")
+    seen: Set[int] = set()
+    for index, module in enumerate(modules):
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"{list_name} element {index} is a {type(module).__name__}, not an nn.Module")
+        if not isinstance(module, Block):
+            continue
+        owner = module._owner_list() if module._owner_list is not None else None
+        if owner is not None:
+            raise ValueError(
+                f"block {index} ({type(module._module).__name__}) already belongs to another {type(owner).__name__}; "
+                "a Block can be in one list only"
+            )
+        if id(module) in seen:
+            raise BlockSharingError(
+                f"block {index} ({type(module._module).__name__}) is given twice to one {list_name}; to share "
+                "weights across depth, list the plain module twice (each place gets its own Block over the same "
+                "parameters)"
+            )
+        seen.add(id(module))
+        if pipe and module._mode != "PIPE":
+            raise BlockSharingError(
+                f"block {index} ({type(module._module).__name__}) was built with mode={module._mode!r}; a "
+                "PipelineTransformerBlockList takes plain modules, or Blocks built with mode='PIPE'"
+            )
+    blocks: List[Block] = []
+    first_of: Dict[int, Block] = {}  # id(plain module) -> its first block in this list
+    for module in modules:
+        if isinstance(module, Block):
+            blocks.append(module)
+        elif id(module) in first_of:
+            blocks.append(first_of[id(module)]._sharing())
+        else:
+            first_of[id(module)] = Block(module, mode="PIPE" if pipe else "BLOCK")
+            blocks.append(first_of[id(module)])
+    return blocks
 
 
 class TransformerBlockList(nn.Module):
     """A list of :class:`Block` called in sequence (BMTrain's ``TransformerBlockList``).
 
     Calling ``blocks(*args, **kwargs)`` passes the first ``num_hidden`` positional arguments as
-    hidden states: block ``i`` is called as ``block(*hidden, *rest, **kwargs)`` and must return
-    ``num_hidden`` tensors (one tensor when ``num_hidden == 1``), which become the hidden states
-    of block ``i + 1``. The other arguments reach every block unchanged. While block ``i``
-    computes, block ``i + 1``'s parameters are gathered; in backward, block ``i - 1``'s.
+    hidden states: block ``i`` is called as ``block(*outputs, *rest, **kwargs)``, where
+    ``outputs`` is everything block ``i - 1`` returned (a tensor counts as one value; the first
+    block gets the hidden states) and ``rest`` the other positional arguments, as in BMTrain.
+    While block ``i`` computes, block ``i + 1``'s parameters are gathered; in backward, block
+    ``i - 1``'s.
 
     Args:
         modules: blocks, or plain modules (each is wrapped in a :class:`Block` with default
-            options). The same block may appear more than once (weights shared across depth).
+            options). A plain module listed more than once gets one block per place, all over
+            the same parameters (weights shared across depth).
         num_hidden: how many leading arguments are hidden states.
 
-    Returns (from a call): the last hidden state (``num_hidden == 1``) or a tuple of them;
-    with ``return_hidden_states=True``, the block outputs followed by, for each hidden state, the
-    inputs of every block stacked on a new first dimension (BMTrain's layout).
+    Returns (from a call): the last block's first output (``num_hidden == 1``) or a tuple of its
+    first ``num_hidden`` outputs; with ``return_hidden_states=True``, everything the last block
+    returned followed by, for each hidden state, the inputs of every block stacked on a new first
+    dimension (BMTrain's layout).
 
     Raises:
         TypeError: an element is not an ``nn.Module``.
-        ValueError: a block already belongs to another list; ``num_hidden < 1``; fewer
-            positional arguments than ``num_hidden``; a block returning the wrong count.
+        ValueError: a block already belongs to another list; ``num_hidden < 1``; no modules;
+            fewer positional arguments than ``num_hidden``; a block returning fewer values.
+        BlockSharingError: the same ``Block`` object given twice (a ``ValueError`` that is also
+            the ``AssertionError`` BMTrain raises).
 
     Example::
 
@@ -43,25 +90,15 @@ class TransformerBlockList(nn.Module):
         h, hs = blocks(h, mask, return_hidden_states=True)
     """
 
+    _pipeline = False  # BMTrain's pipeline list takes only blocks built with mode="PIPE"
+
     def __init__(self, modules: Iterable[nn.Module], num_hidden: int = 1) -> None:
         super().__init__()
         if num_hidden < 1:
             raise ValueError(f"num_hidden must be >= 1, got {num_hidden}")
         self.num_hidden = num_hidden
-        modules = list(modules)
-        for index, module in enumerate(modules):
-            if not isinstance(module, nn.Module):
-                raise TypeError(f"TransformerBlockList element {index} is a {type(module).__name__}, not an nn.Module")
-            owner = module._owner_list() if isinstance(module, Block) and module._owner_list is not None else None
-            if owner is not None:
-                raise ValueError(
-                    f"block {index} ({type(module._module).__name__}) already belongs to another TransformerBlockList; "
-                    "a Block can be in one list only (to share weights, repeat it inside one list)"
-                )
-        if not modules:
-            raise ValueError("TransformerBlockList needs at least one module")
-        # Only now, with every element checked, are the blocks made and claimed.
-        blocks = [m if isinstance(m, Block) else Block(m) for m in modules]
+        # Only once every element is checked are the blocks made and claimed.
+        blocks = _make_blocks(modules, type(self).__name__, pipe=self._pipeline)
         for index, block in enumerate(blocks):
             block._owner_list = weakref.ref(self)
             self.add_module(str(index), block)
@@ -86,10 +123,10 @@ class TransformerBlockList(nn.Module):
             **kwargs: passed to every block unchanged.
 
         Returns:
-            The last block's hidden state (``num_hidden == 1``) or a tuple of its ``num_hidden``
-            hidden states. With ``return_hidden_states=True``: a tuple of everything the last block
-            returned followed by, for each hidden state, the inputs of every block stacked on a
-            new first dimension.
+            The last block's first output (``num_hidden == 1``) or a tuple of its first
+            ``num_hidden`` outputs. With ``return_hidden_states=True``: a tuple of everything the
+            last block returned followed by, for each hidden state, the inputs of every block
+            stacked on a new first dimension.
 
         Raises:
             ValueError: fewer positional arguments than ``num_hidden``; a block returning fewer
@@ -97,48 +134,63 @@ class TransformerBlockList(nn.Module):
         """
         n = self.num_hidden
         if len(args) < n:
-            raise ValueError(f"TransformerBlockList(num_hidden={n}) needs at least {n} positional arguments, got {len(args)}")
-        hidden, rest = args[:n], args[n:]
+            raise ValueError(f"{type(self).__name__}(num_hidden={n}) needs at least {n} positional arguments, "
+                             f"got {len(args)}")
+        outputs, rest = tuple(args[:n]), args[n:]
         inputs = []
         for index, block in enumerate(self._modules.values()):
             if return_hidden_states:
-                inputs.append(hidden)
-            outputs = block(*hidden, *rest, **kwargs)
-            hidden = outputs if isinstance(outputs, tuple) else (outputs,)
-            if len(hidden) < n:
+                inputs.append(outputs[:n])
+            returned = block(*outputs, *rest, **kwargs)
+            outputs = returned if isinstance(returned, tuple) else (returned,)
+            if len(outputs) < n:
                 raise ValueError(
-                    f"block {index} returned {len(hidden)} value(s) but num_hidden={n}; "
+                    f"block {index} returned {len(outputs)} value(s) but num_hidden={n}; "
                     "each block must return its hidden states first"
                 )
-            last: Tuple[Any, ...] = hidden
-            hidden = hidden[:n]
         if return_hidden_states:
             stacked = tuple(torch.stack([step[i] for step in inputs], dim=0) for i in range(n))
-            return tuple(last) + stacked
-        return hidden[0] if n == 1 else tuple(hidden)
+            return outputs + stacked
+        return outputs[0] if n == 1 else outputs[:n]
 
 
 class PipelineTransformerBlockList(TransformerBlockList):
     """BMTrain's pipelined block list; here a :class:`TransformerBlockList` (pipeline size 1).
 
-    BMTrain runs a ``PipelineTransformerBlockList`` as a plain block list when its pipeline size
-    is 1, its default. bmtwrap has no pipeline parallelism (``init_distributed(pipe_size>1)``
-    raises), so this is always that case: the blocks are sharded over all ranks and called in
-    sequence.
+    BMTrain runs a ``PipelineTransformerBlockList`` over the stages of its pipeline; bmtwrap has
+    no pipeline parallelism (``init_distributed(pipe_size>1)`` raises), so there is one stage:
+    the blocks are sharded over all ranks and called in sequence, and ``batch_related`` (which
+    arguments BMTrain splits into micro-batches) changes nothing.
 
     Args:
-        modules: blocks or plain modules, as for :class:`TransformerBlockList`.
+        modules: plain modules, or blocks built with ``mode="PIPE"`` (BMTrain's rule).
         num_hidden: how many leading arguments are hidden states.
 
     Raises:
         TypeError: an element is not an ``nn.Module``.
         ValueError: as :class:`TransformerBlockList`.
+        BlockSharingError: a ``Block`` built without ``mode="PIPE"``, or one given twice.
 
     Example::
 
-        blocks = bmt.PipelineTransformerBlockList([bmt.Block(Layer()) for _ in range(24)])
+        blocks = bmt.PipelineTransformerBlockList([Layer() for _ in range(24)])
     """
 
-    def __init__(self, modules: Iterable[nn.Module], num_hidden: int = 1) -> None:
-        super().__init__(modules, num_hidden=num_hidden)
+    _pipeline = True
 
+    def forward(self, *args: Any, batch_related: Sequence[int] = (), return_hidden_states: bool = False,
+                **kwargs: Any) -> Any:
+        """Call the blocks in sequence, as :meth:`TransformerBlockList.forward` does.
+
+        Args:
+            *args: the hidden states, then arguments every block gets unchanged.
+            batch_related: BMTrain's list of arguments to split into micro-batches; with one
+                pipeline stage nothing is split.
+            return_hidden_states: also return the inputs of every block.
+            **kwargs: passed to every block unchanged.
+
+        Returns:
+            As :meth:`TransformerBlockList.forward`.
+        """
+        del batch_related
+        return super().forward(*args, return_hidden_states=return_hidden_states, **kwargs)

@@ -8,19 +8,19 @@ outside blocks, replicated.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from .full_state import shard_full_tensors
+from .full_state import register_full_state_dict, shard_full_tensors
 from .group import ROOT_LABEL
 from .shard import find_owners, lone_group
 from .param import DistributedParameter
 from .runners import BlockModule, RootRunner
 from .schedule import Engine, TrainingState, engine
 
-__all__ = ["DistributedModule", "init_parameters"]
+__all__ = ["DistributedModule", "grouped_parameters", "init_parameters"]
 
 
 def _block_owned(module: nn.Module) -> set:
@@ -73,6 +73,9 @@ class DistributedModule(nn.Module):
     gradients are reduce-scattered after backward. Plain ``nn.Parameter`` objects outside blocks
     stay replicated and get their gradients averaged over ranks.
 
+    ``state_dict()`` gives every parameter at its full shape, as a CPU tensor, on every rank (a
+    collective, gathered one flat buffer at a time); ``load_state_dict`` takes full-shaped tensors.
+
     Example::
 
         class GPT(bmt.DistributedModule):
@@ -90,6 +93,7 @@ class DistributedModule(nn.Module):
         super().__init__()
         self._root: Optional[RootRunner] = None
         self.register_load_state_dict_pre_hook(shard_full_tensors)
+        register_full_state_dict(self)
         self.register_forward_pre_hook(_root_pre_forward)
         self.register_forward_hook(_root_post_forward, always_call=True)
 
@@ -115,3 +119,22 @@ def init_parameters(model: nn.Module) -> None:
             buffer, index = eng.registry.buffer_of(ctx, param)
             piece = buffer.layout.piece(index, ctx.rank)
             param.copy_(full.reshape(-1)[piece.param_start : piece.param_end])
+
+
+def grouped_parameters(model: nn.Module) -> Iterator[Tuple[Optional[str], List[nn.Parameter]]]:
+    """The model's parameters by the ``group`` name their :class:`~bmtwrap.DistributedParameter` was given
+    (``None`` for the others), each group in registration order (BMTrain's name).
+
+    Meant for optimizer parameter groups; the parameters are the sharded ones an optimizer takes.
+
+    Example::
+
+        groups = [{"params": params, "weight_decay": 0.0 if name == "norm" else 0.1}
+                  for name, params in bmt.grouped_parameters(model)]
+        optimizer = bmt.optim.AdamOptimizer(groups, lr=1e-4)
+    """
+    groups: Dict[Optional[str], List[nn.Parameter]] = {}
+    for param in model.parameters():
+        name = param.group if isinstance(param, DistributedParameter) else None
+        groups.setdefault(name, []).append(param)
+    yield from groups.items()

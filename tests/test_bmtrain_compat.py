@@ -112,7 +112,7 @@ def test_inspect_model_and_tensor() -> None:
         stats = bmt.inspect.inspect_model(net, "*.weight")
         assert [s["name"] for s in stats] == ["blocks.0.0.weight", "blocks.0.2.weight"], stats
         w = ref["0.weight"]
-        assert stats[0]["shape"] == (6, 4) and stats[0]["grad_std"] is None
+        assert stats[0]["shape"] == (6, 4) and stats[0]["grad_std"] == 0.0 == stats[0]["grad_mean"]
         assert math.isclose(stats[0]["std"], w.std().item(), rel_tol=1e-6)
         assert math.isclose(stats[0]["max"], w.max().item())
         x = torch.randn(3, 4)
@@ -180,3 +180,116 @@ def test_bmtrain_alias_script() -> None:
             pass
     """)
     assert "rank 0 of 1" in out
+
+
+def test_block_follows_bmtrain() -> None:
+    """Attributes read through to the inner module; a list comes back as a tuple; a block list hands
+    everything a block returned to the next (BMTrain's TransformerBlockList)."""
+    _run("""
+        import torch, bmtwrap as bmt
+        bmt.init_distributed(seed=0)
+        class Listing(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(3, 3)
+            def forward(self, x):
+                return [self.lin(x), x * 2]
+        block = bmt.Block(Listing())
+        assert block.lin.weight.dim() == 1 and block.lin is block._module.lin
+        out = block(torch.ones(2, 3))
+        assert isinstance(out, tuple) and len(out) == 2, type(out)
+        try:
+            block.missing
+        except AttributeError as e:
+            assert "missing" in str(e)
+        else:
+            raise AssertionError
+        seen = []
+        class Extra(torch.nn.Module):
+            def forward(self, h, *rest):
+                seen.append(len(rest))
+                return h + 1, h * 0  # one hidden state and one extra value
+        blocks = bmt.TransformerBlockList([Extra(), Extra(), Extra()])
+        assert blocks[0] is not blocks[1] and blocks[0].runner is not blocks[1].runner
+        h = blocks(torch.zeros(2), "mask")
+        # block 0 gets (h, "mask"); blocks 1 and 2 get (h, extra, "mask"), as in BMTrain
+        assert seen == [1, 2, 2] and torch.equal(h, torch.full((2,), 3.0)), (seen, h)
+        h, extra, stacked = blocks(torch.zeros(2), "mask", return_hidden_states=True)
+        assert stacked.shape == (3, 2) and torch.equal(stacked[:, 0], torch.tensor([0.0, 1.0, 2.0]))
+    """)
+
+
+def test_nn_parallel_layers_refuse() -> None:
+    import bmtwrap.nn as bnn
+    for name in ("ColumnParallelLinear", "RowParallelLinear", "VPEmbedding"):
+        with pytest.raises(NotImplementedError, match=r"no tensor parallelism .* use "):
+            getattr(bnn, name)(8, 8)
+    with pytest.raises(NotImplementedError, match=r"OpLinear"):
+        bnn.OpParallelLinear.apply(None, None)
+
+
+def test_bmtrain_module_paths() -> None:
+    _run("""
+        from bmtwrap.compat import install_bmtrain_alias
+        install_bmtrain_alias()
+        import torch, bmtwrap
+        import bmtrain as bmt
+        from bmtrain.block_layer import ZeroContext, CheckpointBlockContext, Block, TransformerBlockList
+        from bmtrain.pipe_layer import PipelineTransformerBlockList
+        from bmtrain.synchronize import gather_result, wait_loader, synchronize
+        from bmtrain.utils import print_block, print_dict, see_memory, AverageRecorder, round_up, print_rank
+        from bmtrain.init import is_initialized
+        from bmtrain.optim import optim_manager
+        from bmtrain.zero_context import ZeroContext as Z2
+        import bmtrain.loss._function as F, bmtrain.debug, bmtrain.distributed, bmtrain.nn
+        assert ZeroContext is CheckpointBlockContext is Z2 is bmtwrap.zero_context.ZeroContext
+        assert PipelineTransformerBlockList is bmtwrap.PipelineTransformerBlockList
+        assert gather_result is bmtwrap.gather_result and optim_manager.OptimManager is bmtwrap.optim.OptimManager
+        assert bmtrain.nn.Linear is bmtwrap.nn.Linear and bmtrain.distributed.all_reduce is bmtwrap.distributed.all_reduce
+        assert bmt.debug.set is bmtwrap.debug.set and round_up(5, 4) == 8 and not is_initialized()
+        flag = torch.zeros((), dtype=torch.uint8)
+        F.has_inf_nan(torch.tensor([1.0, 2.0]), flag)
+        assert flag.item() == 0
+        F.has_inf_nan(torch.tensor([1.0, float("nan")]), flag)
+        assert flag.item() == 1
+        F.has_inf_nan(torch.tensor([1.0]), flag)
+        assert flag.item() == 1  # set, never cleared: the caller zeroes it
+        print_block("title", "body")
+        print_dict("config", {"lr": 0.1, "a long name": "x" * 70})
+        bmt.init_distributed(seed=0)
+        see_memory("after init")
+        wait_loader()
+    """)
+
+
+def test_print_helpers_layout(capsys) -> None:
+    import bmtwrap as bmt
+    bmt.print_block("abc", "text")
+    bmt.print_dict("cfg", {"lr": 0.5, "key": "v" * 65})
+    lines = capsys.readouterr().out.split("\n")
+    assert lines[0] == "=" * 27 + " abc " + "=" * 28 and len(lines[0]) == 60 and lines[1] == "text"
+    assert lines[3] == "lr   : 0.5" and lines[4] == "key  : " + "v" * 60 and lines[5] == "       " + "v" * 5
+
+
+def test_bmtrain_runner(tmp_path) -> None:
+    program = tmp_path / "train.py"
+    program.write_text("import sys\nimport bmtrain as bmt\nfrom helper import VALUE\n"
+                       "bmt.init_distributed(seed=0)\nprint('args', sys.argv[1:], VALUE, bmt.world_size())\n")
+    (tmp_path / "helper.py").write_text("VALUE = 42\n")
+    done = subprocess.run([sys.executable, "-m", "bmtwrap.bmtrain", str(program), "--lr", "1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "args ['--lr', '1'] 42 1" in done.stdout
+    missing = subprocess.run([sys.executable, "-m", "bmtwrap.bmtrain", str(tmp_path / "nope.py")], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "no program file" in missing.stderr and "usage:" in missing.stderr
+
+
+def test_optimizer_and_manager_option_errors() -> None:
+    import torch
+    import bmtwrap as bmt
+    param = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match=r"hold_steps must be an int >= 0, got -1"):
+        bmt.optim.AdamOptimizer([param], hold_steps=-1)
+    with pytest.raises(ValueError, match=r"grad_scale must be > 0 or None \(the number of ranks\), got 0"):
+        bmt.optim.OptimManager(grad_scale=0)

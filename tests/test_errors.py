@@ -179,10 +179,14 @@ def test_distributed_parameter_rejects_tp_mode():
         bmt.DistributedParameter(torch.zeros(4), tp_mode=True)
 
 
-def test_distributed_parameter_refuses_deepcopy():
-    param = bmt.DistributedParameter(torch.zeros(4))
-    with pytest.raises(NotImplementedError, match=r"deep-copying a sharded parameter is not supported"):
-        copy.deepcopy(param)
+def test_distributed_parameter_deepcopy_is_a_snapshot_of_the_piece():
+    param = bmt.DistributedParameter(torch.arange(4.0))
+    copied = copy.deepcopy([param, param])
+    assert copied[0] is copied[1] and type(copied[0]) is nn.Parameter
+    assert torch.equal(copied[0], param.detach()) and copied[0].data_ptr() != param.data_ptr()
+    with torch.no_grad():
+        param.add_(1)
+    assert not torch.equal(copied[0], param.detach())
 
 
 # --- Block --------------------------------------------------------------------------------------------
@@ -282,13 +286,32 @@ def test_block_list_block_returns_too_few_values():
         blocks(torch.zeros(1, 3), torch.zeros(1, 3))
 
 
+def test_same_block_object_twice_in_one_list():
+    block = bmt.Block(nn.Linear(2, 2))
+    with pytest.raises(bmt.BlockSharingError, match=r"block 1 \(Linear\) is given twice to one TransformerBlockList"):
+        bmt.TransformerBlockList([block, block])
+    with pytest.raises(AssertionError, match=r"list the plain module twice"):  # what BMTrain raises
+        bmt.TransformerBlockList([block, block])
+
+
+def test_pipeline_list_takes_blocks_built_for_it():
+    with pytest.raises(bmt.BlockSharingError, match=r"built with mode='BLOCK'; a PipelineTransformerBlockList"):
+        bmt.PipelineTransformerBlockList([bmt.Block(nn.Linear(2, 2))])
+    blocks = bmt.PipelineTransformerBlockList([bmt.Block(nn.Linear(2, 2), mode="PIPE"), nn.Linear(2, 2)])
+    assert len(blocks) == 2
+    with pytest.raises(ValueError, match=r"mode must be 'BLOCK' or 'PIPE', got 'pipe'"):
+        bmt.Block(nn.Linear(2, 2), mode="pipe")
+
+
 @pytest.mark.parametrize("use_checkpoint", [True, False], ids=["ckpt", "no_ckpt"])
 @pytest.mark.parametrize("zero_level", [2, 3], ids=["zero2", "zero3"])
-def test_same_block_twice_in_one_list(use_checkpoint, zero_level):
+def test_same_module_twice_in_one_list(use_checkpoint, zero_level):
+    # A plain module listed twice: two blocks over one runner (BMTrain's reference blocks).
     plain, inner = twin(seed=11)
-    block = bmt.Block(inner, use_checkpoint=use_checkpoint, zero_level=zero_level)
-    blocks = bmt.TransformerBlockList([block, block])
-    assert len(blocks) == 2 and blocks[0] is blocks[1]
+    blocks = bmt.TransformerBlockList([inner, inner])
+    block = blocks[0]
+    assert len(blocks) == 2 and blocks[0] is not blocks[1] and blocks[0].runner is blocks[1].runner
+    block.runner.recompute, block.runner.zero_level = use_checkpoint, zero_level
 
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(3))
     x_ref, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()

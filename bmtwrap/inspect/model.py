@@ -35,8 +35,8 @@ def inspect_model(model: nn.Module, param_name: str, prefix: str = "") -> List[D
     Returns:
         One dict per matching parameter, in ``named_parameters`` order, with keys ``name``,
         ``shape``, ``std``, ``mean``, ``grad_std``, ``grad_mean``, ``max``, ``min``; the gradient
-        statistics are ``None`` when this rank's parameter has no gradient. ``std`` is the
-        unbiased one (``nan`` for a one-element parameter), as in BMTrain.
+        statistics are ``0.0`` when the parameter has no gradient, as in BMTrain (a table then
+        shows ``0.0000``). ``std`` is the unbiased one (``nan`` for a one-element parameter).
 
     Example::
 
@@ -56,7 +56,7 @@ def inspect_model(model: nn.Module, param_name: str, prefix: str = "") -> List[D
         full = full_names[name]
         value = values[full]
         entry: Dict[str, Any] = {"name": prefix + full, "shape": tuple(value.shape), **_stats(value),
-                                 "grad_std": None, "grad_mean": None}
+                                 "grad_std": 0.0, "grad_mean": 0.0}
         if grads is not None and params[name].grad is not None:
             grad = grads[full].float()
             entry["grad_std"] = grad.std().item()
