@@ -34,19 +34,24 @@ Public names only; see each one's docstring. A BMTrain program runs after ``impo
 # BMTrain compatibility (read the engine through dist/full_state only)
 #   initializer.py   ParameterInitializer;  config_view.py  bmt.config, a read-only view of DistContext
 #   inspect/         inspect_model, inspect_tensor/record_tensor, format_summary;  nccl.py  refusals
+#   nn/              bmt.nn.Linear / OpLinear (DistributedModule layers); the tensor-parallel names refuse
+#   distributed.py   autograd-aware collectives (bmt.distributed);  zero_context.py  ZeroContext
+#   utils.py         print_block, print_dict, see_memory, AverageRecorder;  debug.py  bmt.debug's store
+#   bmtrain.py       `python -m bmtwrap.bmtrain program.py`: run a BMTrain program unchanged
 #   compat.py        install_bmtrain_alias(): `import bmtrain` resolves to bmtwrap's objects
 
-from . import inspect, loss, lr_scheduler, nccl, optim
-from .block import Block, CheckpointBlock
+from . import debug, distributed, inspect, loss, lr_scheduler, nccl, nn, optim, utils, zero_context
+from .block import Block, BlockSharingError, CheckpointBlock
 from .blocklist import PipelineTransformerBlockList, TransformerBlockList
 from .checkpoint import (CheckpointInfo, from_pretrained, load, load_checkpoint, load_pretrained, load_state_dict, save,
                          save_checkpoint, save_pretrained)
-from .dist import init_distributed, print_rank, rank, sum_loss, synchronize, world_size
+from .dist import gather_result, init_distributed, print_rank, rank, sum_loss, synchronize, wait_loader, world_size
 from .config_view import config
 from .full_state import full_grad_dict, full_state_dict
 from .initializer import ParameterInitializer
-from .module import DistributedModule, init_parameters
+from .module import DistributedModule, grouped_parameters, init_parameters
 from .param import DistributedParameter
+from .utils import print_block, print_dict, see_memory
 from .wrap import WrapPlan, materialize, plan, wrap
 
 BMTrainModelWrapper = wrap
@@ -56,15 +61,20 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Block",
+    "BlockSharingError",
     "BMTrainModelWrapper",
     "CheckpointBlock",
     "CheckpointInfo",
     "config",
+    "debug",
+    "distributed",
     "DistributedModule",
     "DistributedParameter",
     "from_pretrained",
     "full_grad_dict",
     "full_state_dict",
+    "gather_result",
+    "grouped_parameters",
     "init_distributed",
     "init_parameters",
     "inspect",
@@ -76,19 +86,26 @@ __all__ = [
     "lr_scheduler",
     "materialize",
     "nccl",
+    "nn",
     "optim",
     "ParameterInitializer",
     "PipelineTransformerBlockList",
     "plan",
+    "print_block",
+    "print_dict",
     "print_rank",
     "rank",
     "save",
     "save_checkpoint",
     "save_pretrained",
+    "see_memory",
     "sum_loss",
     "synchronize",
     "TransformerBlockList",
+    "utils",
+    "wait_loader",
     "world_size",
     "wrap",
     "WrapPlan",
+    "zero_context",
 ]

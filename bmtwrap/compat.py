@@ -17,36 +17,54 @@ import types
 from types import MappingProxyType
 from typing import Mapping, Optional, Sequence
 
-__all__ = ["install_bmtrain_alias"]
+import torch
+
+from . import ops
+
+__all__ = ["has_inf_nan", "install_bmtrain_alias"]
 
 # BMTrain's module path -> bmtwrap's module whose names stand in for it.
 _ALIASES: Mapping[str, str] = MappingProxyType({
     "bmtrain": "bmtwrap",
     "bmtrain.block_layer": "bmtwrap.blocklist",
+    "bmtrain.pipe_layer": "bmtwrap.blocklist",
+    "bmtrain.zero_context": "bmtwrap.zero_context",
     "bmtrain.global_var": "bmtwrap.config_view",
     "bmtrain.param_init": "bmtwrap.module",
     "bmtrain.parameter": "bmtwrap.param",
     "bmtrain.init": "bmtwrap.dist",
     "bmtrain.synchronize": "bmtwrap.dist",
-    "bmtrain.utils": "bmtwrap.dist",
+    "bmtrain.utils": "bmtwrap.utils",
+    "bmtrain.debug": "bmtwrap.debug",
     "bmtrain.inspect": "bmtwrap.inspect",
     "bmtrain.nccl": "bmtwrap.nccl",
     "bmtrain.store": "bmtwrap.checkpoint",
     "bmtrain.layer": "bmtwrap.module",
-    "bmtrain.distributed": "bmtwrap.dist",
+    "bmtrain.distributed": "bmtwrap.distributed",
     "bmtrain.lr_scheduler": "bmtwrap.lr_scheduler",
     "bmtrain.loss": "bmtwrap.loss",
+    "bmtrain.loss._function": "bmtwrap.loss",
     "bmtrain.optim": "bmtwrap.optim",
     "bmtrain.nn": "bmtwrap.nn",
     "bmtrain.wrapper": "bmtwrap.wrap",
 })
 # Names BMTrain's module has that bmtwrap keeps elsewhere: (alias, name) -> (module, name).
 _EXTRA: Mapping[str, Mapping[str, str]] = MappingProxyType({
-    "bmtrain.block_layer": {"CheckpointBlock": "bmtwrap.block", "Block": "bmtwrap.block"},
+    "bmtrain.block_layer": {"CheckpointBlock": "bmtwrap.block", "Block": "bmtwrap.block",
+                            "ZeroContext": "bmtwrap.zero_context", "CheckpointBlockContext": "bmtwrap.zero_context"},
     "bmtrain.global_var": {"rank": "bmtwrap.dist", "world_size": "bmtwrap.dist"},
+    "bmtrain.init": {"is_initialized": "bmtwrap.dist"},
     "bmtrain.parameter": {"ParameterInitializer": "bmtwrap.initializer"},
+    "bmtrain.utils": {"print_rank": "bmtwrap.dist"},
     "bmtrain.wrapper": {"BMTrainModelWrapper": "bmtwrap"},
+    "bmtrain.loss._function": {"has_inf_nan": "bmtwrap.compat"},
 })
+
+
+def has_inf_nan(x: torch.Tensor, out: torch.Tensor) -> None:
+    """BMTrain's kernel entry (``bmtrain.loss._function.has_inf_nan``): ``out`` (one uint8 element) is
+    set to 1 if ``x`` holds an inf or a NaN, and left as it is otherwise."""
+    ops.has_inf_nan_into(x.reshape(-1) if x.is_contiguous() else x.contiguous().reshape(-1), out.view(-1))
 
 
 class _BMTrainAliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -56,7 +74,9 @@ class _BMTrainAliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
                   target: Optional[types.ModuleType] = None) -> Optional[importlib.machinery.ModuleSpec]:
         if fullname not in _ALIASES or importlib.util.find_spec(_ALIASES[fullname]) is None:
             return None
-        return importlib.machinery.ModuleSpec(fullname, self, is_package=fullname == "bmtrain")
+        # Packages: those with submodules in the table (bmtrain, bmtrain.loss).
+        package = any(other.startswith(fullname + ".") for other in _ALIASES)
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=package)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         # A new module holding bmtwrap's objects, never bmtwrap's module itself: importing

@@ -21,12 +21,14 @@ import torch.distributed as dist
 __all__ = [
     "DistContext",
     "current",
+    "gather_result",
     "init_distributed",
     "is_initialized",
     "print_rank",
     "rank",
     "sum_loss",
     "synchronize",
+    "wait_loader",
     "world_size",
 ]
 
@@ -58,6 +60,7 @@ class DistContext:
             [Note: the active inspector] in ``bmtwrap/inspect/tensor.py``).
         copy_streams: CUDA streams for copies between host and device beside the computation,
             by direction (see :meth:`copy_stream`).
+        debug_values: what the program stored with ``bmtwrap.debug.set`` (BMTrain's debug store).
     """
 
     rank: int
@@ -69,6 +72,7 @@ class DistContext:
     engine: Optional[AttachedEngine] = field(default=None, repr=False)
     inspector: Optional[Any] = field(default=None, repr=False)
     copy_streams: Dict[str, Any] = field(default_factory=dict, repr=False)
+    debug_values: Dict[str, Any] = field(default_factory=dict, repr=False)
 
     def copy_stream(self, direction: str) -> "torch.cuda.Stream":
         """The stream of ``direction``'s copies ("to_device" or "to_host") on this CUDA device, made on first use.
@@ -277,6 +281,33 @@ def sum_loss(loss: torch.Tensor, method: str = "mean") -> torch.Tensor:
     if method == "mean":
         out = out / ctx.world_size
     return out
+
+
+def gather_result(result: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``result`` concatenated along dimension 0, in rank order (BMTrain's name).
+
+    A collective: every rank calls it with a tensor of the same shape and dtype. The result is on
+    ``result``'s device (a CPU tensor goes through this process's device and comes back).
+
+    Example::
+
+        all_predictions = bmt.gather_result(predictions)   # (world_size * B, ...)
+    """
+    ctx = current()
+    if not isinstance(result, torch.Tensor):
+        raise TypeError(f"gather_result expects a tensor, got {type(result).__name__}")
+    local = result.detach().to(ctx.device).reshape(-1, *result.shape[1:]).contiguous()  # a scalar as (1,)
+    out = torch.empty((ctx.world_size * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=ctx.device)
+    dist.all_gather_into_tensor(out, local, group=ctx.group)
+    return out.to(result.device)
+
+
+def wait_loader() -> None:
+    """Make the current CUDA stream wait for the parameter copies bmtwrap has queued from the host so far
+    (BMTrain's name for waiting on its loading stream); nothing to wait for on the CPU."""
+    ctx = current()
+    if ctx.device.type == "cuda" and "to_device" in ctx.copy_streams:
+        torch.cuda.current_stream(ctx.device).wait_stream(ctx.copy_streams["to_device"])
 
 
 def print_rank(*args: Any, rank: int = 0, **kwargs: Any) -> None:
