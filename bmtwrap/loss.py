@@ -75,8 +75,15 @@ class FusedCrossEntropy(nn.Module):
         ignore_index: targets equal to it contribute nothing (and are not counted by "mean").
         reduction: "mean" (over non-ignored rows), "sum" or "none".
         label_smoothing: as ``torch.nn.functional.cross_entropy``.
+        parallel: BMTrain's vocabulary-parallel loss over tensor-parallel ranks; only ``False``
+            (bmtwrap has no tensor parallelism).
         inplace: write the gradient into the logits' buffer in backward (saves one logits-sized
             tensor; the logits must not be used after backward).
+
+    Raises:
+        ValueError: an unknown ``reduction``, ``label_smoothing`` outside [0, 1), a ``weight`` that
+            is not 1-D.
+        NotImplementedError: ``parallel=True``.
 
     Shapes: ``logits`` (N, V) or (..., V), ``target`` with the leading shape of ``logits``.
 
@@ -86,9 +93,13 @@ class FusedCrossEntropy(nn.Module):
     """
 
     def __init__(self, weight: Optional[torch.Tensor] = None, ignore_index: int = -100, reduction: str = "mean",
-                 label_smoothing: float = 0.0, inplace: bool = False) -> None:
+                 label_smoothing: float = 0.0, parallel: bool = False, *, inplace: bool = False) -> None:
         super().__init__()
         _check(reduction, label_smoothing)
+        if parallel:
+            raise NotImplementedError("FusedCrossEntropy(parallel=True) is BMTrain's vocabulary-parallel loss over "
+                                      "tensor-parallel ranks; bmtwrap has no tensor parallelism: give it the whole "
+                                      "logits (parallel=False)")
         if weight is not None and (not isinstance(weight, torch.Tensor) or weight.dim() != 1):
             raise ValueError(f"weight must be a 1-D tensor with one weight per class, got "
                              f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")

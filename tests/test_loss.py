@@ -87,7 +87,7 @@ def test_linear_cross_entropy_slices_the_vocabulary(monkeypatch):
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_fused_cross_entropy_with_class_weights_matches_torch(reduction):
-    """BMTrain's signature: FusedCrossEntropy(weight, ignore_index, reduction, label_smoothing, inplace)."""
+    """BMTrain's signature: FusedCrossEntropy(weight, ignore_index, reduction, label_smoothing, parallel)."""
     logits, target, _, _ = data()
     weight = torch.rand(logits.shape[-1], generator=torch.Generator().manual_seed(3)) + 0.5
     ours_in = logits.clone().requires_grad_()
@@ -102,3 +102,5 @@ def test_fused_cross_entropy_with_class_weights_matches_torch(reduction):
         bmt.loss.FusedCrossEntropy(torch.ones(2, 2))
     with pytest.raises(ValueError, match="weight has 3 entries but the logits 11 classes"):
         bmt.loss.FusedCrossEntropy(torch.ones(3))(logits, target)
+    with pytest.raises(NotImplementedError, match=r"parallel=True\) is BMTrain's vocabulary-parallel loss"):
+        bmt.loss.FusedCrossEntropy(None, -100, "mean", 0.0, True)

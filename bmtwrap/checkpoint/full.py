@@ -49,7 +49,7 @@ import pickle
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Protocol, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 import safetensors
 import torch
@@ -277,8 +277,15 @@ def load_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], *,
     restore_buffers(model)
 
 
+class IncompatibleKeys(NamedTuple):
+    """What :func:`load` left out: keys of the model the file lacks, keys of the file the model lacks."""
+
+    missing_keys: List[str]
+    unexpected_keys: List[str]
+
+
 @torch.no_grad()
-def load(model: nn.Module, path: PathLike, *, strict: bool = True) -> None:
+def load(model: nn.Module, path: PathLike, *, strict: bool = True) -> IncompatibleKeys:
     """Load a full checkpoint file into a sharded model, at any world size (BMTrain's ``bmt.load``).
 
     Every rank reads only the part of each parameter it owns: ``.safetensors`` files through
@@ -294,6 +301,10 @@ def load(model: nn.Module, path: PathLike, *, strict: bool = True) -> None:
         model: a model sharded by :func:`bmtwrap.wrap` or built from bmtwrap's blocks.
         path: the file.
         strict: whether missing and unexpected keys are errors; shapes are always checked.
+
+    Returns:
+        The missing and unexpected keys, as ``load_state_dict`` returns them (both empty when
+        ``strict``).
 
     Raises:
         FileNotFoundError: the file does not exist.
@@ -322,6 +333,7 @@ def load(model: nn.Module, path: PathLike, *, strict: bool = True) -> None:
         assert source is not None
         _copy_into(expected, source, [k for k in expected if k in shapes])
     restore_buffers(model)
+    return IncompatibleKeys(sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected)))
 
 
 # --- saving: what to write, in which order --------------------------------------------------------

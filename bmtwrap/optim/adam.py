@@ -72,14 +72,18 @@ class _AdamBase(torch.optim.Optimizer):
     """Hyper-parameters, state layout and (de)serialisation shared by both optimizers."""
 
     def __init__(self, params: Iterable[Any], lr: float, betas: Tuple[float, float], eps: float,
-                 weight_decay: float, decoupled: bool, master_dtype: torch.dtype, who: str) -> None:
+                 weight_decay: float, decoupled: bool, master_dtype: torch.dtype, who: str, hold_steps: int = 0) -> None:
         if master_dtype != torch.float32:
             raise TypeError(f"{who}: the master copy must be fp32 (master_dtype=torch.float32), got {master_dtype}")
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(f"{who}: lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"{who}: betas must be in [0, 1), got {betas}")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, decoupled=decoupled)
+        if not isinstance(hold_steps, int) or hold_steps < 0:
+            raise ValueError(f"{who}: hold_steps must be an int >= 0, got {hold_steps!r}")
+        # hold_steps lives in each group, so that state_dict()/load_state_dict() carry what is left of it.
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, decoupled=decoupled,
+                        hold_steps=hold_steps)
         super().__init__(params, defaults)
         _check_params([p for g in self.param_groups for p in g["params"]], who)
         self._who = who
@@ -155,10 +159,18 @@ class _AdamBase(torch.optim.Optimizer):
         state["step"] += 1
         return p, state, self._hyper(group, state["step"], grad_scale)
 
+    def _end_step(self) -> None:
+        """A step is over: one held step fewer in every group that holds."""
+        for group in self.param_groups:
+            if group.get("hold_steps", 0) > 0:
+                group["hold_steps"] -= 1
+
     @staticmethod
     def _hyper(group: Dict[str, Any], step: int, grad_scale: float) -> Dict[str, Any]:
         beta1, beta2 = group["betas"]
-        return dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+        # A held step (BMTrain's hold_steps) updates the moments but moves no parameter: lr 0.
+        lr = 0.0 if group.get("hold_steps", 0) > 0 else group["lr"]
+        return dict(lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                     step=step, grad_scale=grad_scale, decoupled=group["decoupled"])
 
 
@@ -176,6 +188,9 @@ class AdamOptimizer(_AdamBase):
         weight_decay: weight decay coefficient.
         decoupled: weight decay as AdamW (default) or as L2 added to the gradient (Adam).
         master_dtype: must be ``torch.float32``; any other raises ``TypeError``.
+        hold_steps: the first ``hold_steps`` steps update the moments but not the parameters
+            (learning rate 0), as BMTrain's argument does; what is left of it is saved with the
+            optimizer's state.
 
     Raises:
         ValueError: bad hyper-parameters; parameters on several devices or on meta; parameters
@@ -189,8 +204,8 @@ class AdamOptimizer(_AdamBase):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, decoupled: bool = True,
-                 master_dtype: torch.dtype = torch.float32) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, decoupled, master_dtype, "AdamOptimizer")
+                 master_dtype: torch.dtype = torch.float32, hold_steps: int = 0) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, decoupled, master_dtype, "AdamOptimizer", hold_steps)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scale: float = 1.0) -> Any:
@@ -198,6 +213,7 @@ class AdamOptimizer(_AdamBase):
         loss, work = self._prepare(closure, grad_scale)
         for p, state, hyper in work:
             _update_in_place(p, state, hyper)
+        self._end_step()
         return loss
 
 
@@ -243,6 +259,7 @@ class AdamOffloadOptimizer(_AdamBase):
             first (the parameters outside blocks, then the first blocks): their CPU updates are
             the last of a step's backward and the first its next forward waits for. Parameters
             offloaded by ``wrap(offload_params=True)`` are always updated on the CPU.
+        hold_steps: as :class:`AdamOptimizer`.
 
     Raises:
         ValueError, TypeError: as :class:`AdamOptimizer`; ``step_in_backward`` without a
@@ -262,10 +279,11 @@ class AdamOffloadOptimizer(_AdamBase):
                  eps: float = 1e-8, weight_decay: float = 0.0, *, decoupled: bool = True,
                  master_dtype: torch.dtype = torch.float32, step_in_backward: bool = False,
                  chunk_numel: int = DEFAULT_CHUNK_NUMEL, staging_slots: int = DEFAULT_SLOTS,
-                 cpu_threads: Optional[int] = None, offload_fraction: float = 1.0) -> None:
+                 cpu_threads: Optional[int] = None, offload_fraction: float = 1.0, hold_steps: int = 0) -> None:
         if not 0.0 <= offload_fraction <= 1.0:
             raise ValueError(f"AdamOffloadOptimizer: offload_fraction must be in [0, 1], got {offload_fraction!r}")
-        super().__init__(params, lr, betas, eps, weight_decay, decoupled, master_dtype, "AdamOffloadOptimizer")
+        super().__init__(params, lr, betas, eps, weight_decay, decoupled, master_dtype, "AdamOffloadOptimizer",
+                         hold_steps)
         all_params = [p for g in self.param_groups for p in g["params"]]
         registry = engine().registry if is_initialized() else None
         device = all_params[0].device
@@ -415,6 +433,7 @@ class AdamOffloadOptimizer(_AdamBase):
         loss, work = self._prepare(closure, grad_scale)
         self._offload.prioritise()
         self._queue(work)
+        self._end_step()
         if self._offload.device.type == "cpu" and not self.step_in_backward:
             self.wait()  # nothing to overlap with on a CPU-only machine
         return loss

@@ -38,10 +38,12 @@ class OptimManager:
     loss over its share of a batch gives the gradient of the mean over the whole batch, exactly
     as plain ``loss.backward()`` does.
 
-    Unscaling and clipping are one pending factor (``1 / loss_scale`` times the clipping
-    coefficient): bmtwrap's optimizers apply it while they read the gradients, so neither costs a
-    pass over memory; for any other optimizer it is applied to ``.grad`` just before its step.
-    So between ``backward`` and ``step`` the ``.grad`` tensors hold the scaled, unclipped values.
+    Unscaling and clipping are one factor applied at the step (``1 / loss_scale`` times the
+    clipping coefficient): bmtwrap's optimizers apply it while they read the gradients, so neither
+    costs a pass over memory; for any other optimizer it is applied to ``.grad`` just before its
+    step. So between backward and ``step`` the ``.grad`` tensors hold the scaled, unclipped values.
+    As in BMTrain, the step divides by the loss scale whenever scaling is on, however the loss was
+    scaled (``backward(loss)``, or ``(manager.loss_scale * loss).backward()``).
 
     Args:
         loss_scale: initial loss scale; ``None`` (default) disables scaling (fp32 or bf16).
@@ -50,9 +52,13 @@ class OptimManager:
         loss_scale_steps: clean steps before the scale grows.
         min_loss_scale: the scale never shrinks below this.
         max_loss_scale: the scale never grows above this.
+        grad_scale: BMTrain's divisor of the loss before its gradients are summed over ranks;
+            ``None`` (default) means the number of ranks, i.e. the mean over ranks, which is what
+            bmtwrap's reduction computes. Another value ``g`` multiplies the gradients by
+            ``world_size / g``.
 
     Raises:
-        ValueError: a non-positive scale, a factor of 1, bounds out of order.
+        ValueError: a non-positive scale or ``grad_scale``, a factor of 1, bounds out of order.
 
     Example::
 
@@ -66,9 +72,12 @@ class OptimManager:
     """
 
     def __init__(self, loss_scale: Optional[float] = None, loss_scale_factor: float = 2,
-                 loss_scale_steps: int = 1024, min_loss_scale: float = 1, max_loss_scale: float = float("inf")) -> None:
+                 loss_scale_steps: int = 1024, min_loss_scale: float = 1, max_loss_scale: float = float("inf"),
+                 grad_scale: Optional[float] = None) -> None:
         if loss_scale is not None and not loss_scale > 0:
             raise ValueError(f"loss_scale must be > 0 or None, got {loss_scale!r}")
+        if grad_scale is not None and not grad_scale > 0:
+            raise ValueError(f"grad_scale must be > 0 or None (the number of ranks), got {grad_scale!r}")
         if loss_scale_factor <= 0 or loss_scale_factor == 1:
             raise ValueError(f"loss_scale_factor must be > 0 and != 1, got {loss_scale_factor!r}")
         if not 0 < min_loss_scale <= max_loss_scale:
@@ -82,7 +91,8 @@ class OptimManager:
         self.steps_since_last_scale = 0
         self.optimizers: List[torch.optim.Optimizer] = []
         self.lr_schedulers: List[Optional[Any]] = []
-        self._factor = 1.0  # what the gradients must still be multiplied by (unscale x clip)
+        self.grad_scale = grad_scale
+        self._clip = 1.0  # the clipping coefficient clip_grad_norm chose for the coming step
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer, lr_scheduler: Optional[Any] = None) -> None:
         """Manage ``optimizer`` (any ``torch.optim.Optimizer``) and step ``lr_scheduler`` with it."""
@@ -106,7 +116,13 @@ class OptimManager:
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` with the loss scale applied."""
         self.scale_loss(loss).backward()
-        self._factor = 1.0 / self.loss_scale if self.loss_scale_enabled else 1.0
+
+    def _unscale(self) -> float:
+        """What the gradients are multiplied by before clipping: the loss scale and ``grad_scale`` undone."""
+        factor = 1.0 / self.loss_scale if self.loss_scale_enabled else 1.0
+        if self.grad_scale is not None:
+            factor *= engine().ctx.world_size / self.grad_scale
+        return factor
 
     def zero_grad(self) -> None:
         """``zero_grad()`` of every managed optimizer."""
@@ -144,10 +160,10 @@ class OptimManager:
         if any(getattr(o, "step_in_backward", False) for o in self.optimizers):
             raise ValueError("clip_grad_norm needs every gradient before any update, but an optimizer steps in "
                              "backward (step_in_backward=True); use step_in_backward=False to clip")
-        total = grad_norm(self._params(param_groups), norm_type) * self._factor
+        total = grad_norm(self._params(param_groups), norm_type) * (self._unscale() * self._clip)
         coef = max_norm / (total.item() + eps)
         if coef < 1:
-            self._factor *= coef
+            self._clip *= coef
         return total
 
     def step(self) -> bool:
@@ -160,22 +176,23 @@ class OptimManager:
         if self.loss_scale_enabled and self._overflow():
             self._set_scale(max(self.loss_scale / self.loss_scale_factor, self.min_loss_scale))
             self.zero_grad()
-            self._factor = 1.0
+            self._clip = 1.0
             return False
+        factor = self._unscale() * self._clip
         for optimizer, scheduler in zip(self.optimizers, self.lr_schedulers):
             if self._fuses_scale(optimizer):
-                optimizer.step(grad_scale=self._factor)
+                optimizer.step(grad_scale=factor)
             else:
-                if self._factor != 1.0:
+                if factor != 1.0:
                     with torch.no_grad():
                         for group in optimizer.param_groups:
                             for p in group["params"]:
                                 if p.grad is not None:
-                                    p.grad.mul_(self._factor)
+                                    p.grad.mul_(factor)
                 optimizer.step()
             if scheduler is not None:
                 scheduler.step()
-        self._factor = 1.0
+        self._clip = 1.0
         if self.loss_scale_enabled:
             self.steps_since_last_scale += 1
             if self.steps_since_last_scale >= self.loss_scale_steps:
@@ -186,8 +203,21 @@ class OptimManager:
         self.loss_scale = scale
         self.steps_since_last_scale = 0
 
-    def state_dict(self) -> Dict[str, Any]:
-        """Optimizers, schedulers and the loss-scale state (this rank's shards)."""
+    def state_dict(self, gather_opt: bool = False) -> Dict[str, Any]:
+        """Optimizers, schedulers and the loss-scale state (this rank's shards).
+
+        Args:
+            gather_opt: BMTrain's request for optimizer state gathered to full shapes; only
+                ``False`` is supported (:func:`bmtwrap.save_checkpoint` saves optimizer state that
+                loads at any world size).
+
+        Raises:
+            NotImplementedError: ``gather_opt=True``.
+        """
+        if gather_opt:
+            raise NotImplementedError("OptimManager.state_dict(gather_opt=True) is not supported; save with "
+                                      "bmtwrap.save_checkpoint(folder, model, manager), which reshards optimizer "
+                                      "state to any world size on load")
         return {
             "optimizers": [o.state_dict() for o in self.optimizers],
             "lr_schedulers": [s.state_dict() if s is not None else None for s in self.lr_schedulers],
