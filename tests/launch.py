@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -25,15 +25,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_cases(script: str, world_size: int, *args: str, timeout: int = 900) -> Dict[str, Any]:
+def run_cases(script: str, world_size: int, *args: str, timeout: int = 900,
+              runner: Optional[str] = None) -> Dict[str, Any]:
     """Launch ``tests/dist_cases/<script>`` on ``world_size`` processes; return rank 0's results.
 
-    The rendezvous port is picked free and then released, so another job may take it first;
-    a launch that fails that way is tried again on a new port.
+    ``runner``: a module that runs the script (``bmtwrap.bmtrain``: a BMTrain program). The
+    rendezvous port is picked free and then released, so another job may take it first; a launch
+    that fails that way is tried again on a new port.
     """
     for attempt in range(3):
         try:
-            return _run_once(script, world_size, args, timeout)
+            return _run_once(script, world_size, args, timeout, runner)
         except _PortTaken:
             if attempt == 2:
                 raise AssertionError(f"{script}: no free rendezvous port after 3 tries") from None
@@ -44,12 +46,12 @@ class _PortTaken(Exception):
     pass
 
 
-def _run_once(script: str, world_size: int, args: tuple, timeout: int) -> Dict[str, Any]:
+def _run_once(script: str, world_size: int, args: tuple, timeout: int, runner: Optional[str]) -> Dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [
             sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}",
-            "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+            "--master_addr=127.0.0.1", f"--master_port={_free_port()}", *(["-m", runner] if runner else []),
             str(TESTS / "dist_cases" / script), str(out), *args,
         ]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
@@ -61,3 +63,12 @@ def _run_once(script: str, world_size: int, args: tuple, timeout: int) -> Dict[s
             tail = (proc.stdout + proc.stderr)[-6000:]
             raise AssertionError(f"{script} at world size {world_size} failed (exit {proc.returncode}):\n{tail}")
         return json.loads(out.read_text())
+
+
+def case(results: Any, name: str) -> Any:
+    """``(world size, result)`` of case ``name`` from a ``(world size, run_cases(...))`` fixture; fails with
+    the case's own error if it raised."""
+    world, all_results = results
+    result = all_results[name]
+    assert "error" not in result, result.get("error")
+    return world, result

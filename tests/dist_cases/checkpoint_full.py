@@ -28,8 +28,7 @@ from torch import nn
 import bmtwrap as bmt
 import bmtwrap.checkpoint.full_format as full_format
 from bmtwrap.group import ShardState
-from bmtwrap.schedule import engine
-from common import run
+from common import flat_buffers, run
 from gpt_model import GPT, ShardedGPT
 
 MODE = sys.argv[2] if len(sys.argv) > 2 else "save"
@@ -126,13 +125,8 @@ def save_llama() -> Dict[str, Any]:
 
 def one_buffer_at_a_time() -> Dict[str, Any]:
     """Count the model's gathered buffers each time one of them starts or finishes a gather."""
-    eng = engine()
     model = bmt.wrap(llama_reference())
-    buffers = []
-    for param in model.parameters():
-        buffer, _ = eng.registry.buffer_of(eng.ctx, param)
-        if all(buffer is not b for b in buffers):
-            buffers.append(buffer)
+    buffers = flat_buffers(model)
     seen: List[int] = []
     gathers = {id(b): 0 for b in buffers}
 

@@ -46,3 +46,16 @@ def max_abs_diff(full: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor]) ->
             worst, where = diff, key
     return {"keys_match": sorted(full) == sorted(ref), "param_max_abs": worst, "param_worst": where,
             "param_max_rel_scale": worst_rel}
+
+
+def flat_buffers(model: torch.nn.Module) -> list:
+    """The distinct flat buffers holding the model's parameters, in parameter order."""
+    from bmtwrap.schedule import engine
+
+    eng = engine()
+    buffers: list = []
+    for param in model.parameters():
+        buffer, _ = eng.registry.buffer_of(eng.ctx, param)
+        if all(buffer is not b for b in buffers):
+            buffers.append(buffer)
+    return buffers
