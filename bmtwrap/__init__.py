@@ -45,10 +45,11 @@ from .block import Block, BlockSharingError, CheckpointBlock
 from .blocklist import PipelineTransformerBlockList, TransformerBlockList
 from .checkpoint import (CheckpointInfo, from_pretrained, load, load_checkpoint, load_pretrained, load_state_dict, save,
                          save_checkpoint, save_pretrained)
-from .dist import gather_result, init_distributed, print_rank, rank, sum_loss, synchronize, wait_loader, world_size
+from .dist import init_distributed, print_rank, rank, sum_loss, synchronize, wait_loader, world_size
 from .config_view import config
 from .full_state import full_grad_dict, full_state_dict
 from .initializer import ParameterInitializer
+from .distributed import gather_result
 from .module import DistributedModule, grouped_parameters, init_parameters
 from .param import DistributedParameter
 from .utils import print_block, print_dict, see_memory

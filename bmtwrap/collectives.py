@@ -18,8 +18,8 @@ from .dist import DistContext
 __all__ = ["Pending", "all_gather", "reduce_scatter_mean", "all_reduce_mean"]
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Pending:
@@ -57,7 +57,7 @@ def all_gather(ctx: DistContext, full: torch.Tensor, local: torch.Tensor) -> Pen
         if full.data_ptr() != local.data_ptr():  # a gather in place needs no copy
             full.copy_(local)
         return Pending(None, full)
-    work = _all_gather_single(full, local, group=ctx.group, async_op=True)
+    work = all_gather_single(full, local, group=ctx.group, async_op=True)
     return Pending(work, full)
 
 
@@ -77,7 +77,7 @@ def reduce_scatter_mean(ctx: DistContext, shard: torch.Tensor, full: torch.Tenso
         shard.copy_(full)
         return Pending(None, shard)
     op, divisor = _mean_op(ctx)
-    work = _reduce_scatter_single(shard, full, op=op, group=ctx.group, async_op=True)
+    work = reduce_scatter_single(shard, full, op=op, group=ctx.group, async_op=True)
     return Pending(work, shard, divisor)
 
 

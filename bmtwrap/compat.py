@@ -54,6 +54,7 @@ _EXTRA: Mapping[str, Mapping[str, str]] = MappingProxyType({
                             "ZeroContext": "bmtwrap.zero_context", "CheckpointBlockContext": "bmtwrap.zero_context"},
     "bmtrain.global_var": {"rank": "bmtwrap.dist", "world_size": "bmtwrap.dist"},
     "bmtrain.init": {"is_initialized": "bmtwrap.dist"},
+    "bmtrain.synchronize": {"gather_result": "bmtwrap.distributed"},
     "bmtrain.parameter": {"ParameterInitializer": "bmtwrap.initializer"},
     "bmtrain.utils": {"print_rank": "bmtwrap.dist"},
     "bmtrain.wrapper": {"BMTrainModelWrapper": "bmtwrap"},

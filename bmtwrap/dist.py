@@ -21,7 +21,6 @@ import torch.distributed as dist
 __all__ = [
     "DistContext",
     "current",
-    "gather_result",
     "init_distributed",
     "is_initialized",
     "print_rank",
@@ -281,25 +280,6 @@ def sum_loss(loss: torch.Tensor, method: str = "mean") -> torch.Tensor:
     if method == "mean":
         out = out / ctx.world_size
     return out
-
-
-def gather_result(result: torch.Tensor) -> torch.Tensor:
-    """Every rank's ``result`` concatenated along dimension 0, in rank order (BMTrain's name).
-
-    A collective: every rank calls it with a tensor of the same shape and dtype. The result is on
-    ``result``'s device (a CPU tensor goes through this process's device and comes back).
-
-    Example::
-
-        all_predictions = bmt.gather_result(predictions)   # (world_size * B, ...)
-    """
-    ctx = current()
-    if not isinstance(result, torch.Tensor):
-        raise TypeError(f"gather_result expects a tensor, got {type(result).__name__}")
-    local = result.detach().to(ctx.device).reshape(-1, *result.shape[1:]).contiguous()  # a scalar as (1,)
-    out = torch.empty((ctx.world_size * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=ctx.device)
-    dist.all_gather_into_tensor(out, local, group=ctx.group)
-    return out.to(result.device)
 
 
 def wait_loader() -> None:

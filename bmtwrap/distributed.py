@@ -37,9 +37,10 @@ import torch.distributed as dist
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from . import dist as _dist
-from .collectives import _all_gather_single, _reduce_scatter_single
+from .collectives import all_gather_single, reduce_scatter_single
 
-__all__ = ["all_gather", "all_reduce", "broadcast", "recv_activations", "reduce_scatter", "send_activations"]
+__all__ = ["all_gather", "all_reduce", "broadcast", "gather_result", "recv_activations", "reduce_scatter",
+           "send_activations"]
 
 _ALL_REDUCE_OPS = ("sum", "avg", "max", "min", "prod")  # BMTrain's names
 _REDUCE_SCATTER_OPS = ("sum", "avg")
@@ -128,7 +129,7 @@ def _gather(x: torch.Tensor, comm: _Comm) -> torch.Tensor:
         out[0].copy_(x)
     else:
         # Flat views: gloo wants the output as the inputs concatenated along dim 0, NCCL any shape.
-        _all_gather_single(out.view(-1), x.view(-1), group=comm.group)
+        all_gather_single(out.view(-1), x.view(-1), group=comm.group)
     return out
 
 
@@ -177,7 +178,7 @@ class _ReduceScatter(torch.autograd.Function):
         if comm.world_size == 1:
             return out.copy_(x)
         torch_op, divisor = _sum_op(op, x, comm)
-        _reduce_scatter_single(out.view(-1), x.view(-1), op=torch_op, group=comm.group)  # flat, as in _gather
+        reduce_scatter_single(out.view(-1), x.view(-1), op=torch_op, group=comm.group)  # flat, as in _gather
         return _divide(out, divisor)
 
     @staticmethod
@@ -374,3 +375,22 @@ def recv_activations(prev_rank: int, comm: Any) -> NoReturn:
         torch.distributed.recv(buffer, src=prev_rank)  # instead, into a buffer of known shape
     """
     _no_pipeline("recv_activations")
+
+
+def gather_result(result: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``result`` concatenated along dimension 0, in rank order (BMTrain's name).
+
+    A collective: every rank calls it with a tensor of the same shape and dtype. The result is on
+    ``result``'s device (a CPU tensor goes through this process's device and comes back).
+
+    Example::
+
+        all_predictions = bmt.gather_result(predictions)   # (world_size * B, ...)
+    """
+    ctx = _dist.current()
+    if not isinstance(result, torch.Tensor):
+        raise TypeError(f"gather_result expects a tensor, got {type(result).__name__}")
+    local = result.detach().to(ctx.device).reshape(-1, *result.shape[1:]).contiguous()  # a scalar as (1,)
+    out = torch.empty((ctx.world_size * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=ctx.device)
+    all_gather_single(out.view(-1), local.view(-1), group=ctx.group)  # flat: gloo gathers 1-D tensors
+    return out.to(result.device)
