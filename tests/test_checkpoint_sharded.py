@@ -220,7 +220,7 @@ DAMAGE = {
     "not ours": ('{"format": "other"}',
                  r"index\.json is not the index of a bmtwrap sharded checkpoint \(format 'other'"),
     "other version": (lambda index: index.update(version=99),
-                      r"index\.json has format version 99; this bmtwrap reads version 1: load it with the bmtwrap"),
+                      r"index\.json has format version 99; this bmtwrap reads versions 1, 2: load it with the bmtwrap"),
     "missing field": (lambda index: index.pop("rng"), r"index\.json lacks the fields \['rng'\]: the index is damaged"),
     "unknown tag": (lambda index: index.update(extra={"__bmtwrap__": "set"}),
                     r"the checkpoint index holds a value tagged 'set', which this bmtwrap does not know"),

@@ -36,10 +36,23 @@ needs the whole model in rank 0's host memory at once: 140 GB for a 70B model in
 [Note: failing together]
 ``save`` and ``load`` are collectives, so a failure seen by one rank must not leave the others
 waiting in a collective. Rank 0 alone opens and writes the file; its I/O errors are held until
-a point where every rank agrees (a one-element all-reduce) whether anyone failed, and then
-every rank raises. Errors of the gathers themselves happen on every rank alike and propagate
-directly. ``load`` checks the file and every key and shape on every rank, agrees, and only
-then writes: on any error, no rank's model has changed.
+a point where every rank agrees (an all-gather of each rank's error, if any) whether anyone
+failed, and then every rank raises, the others quoting the failing rank's error. Errors of the
+gathers themselves happen on every rank alike and propagate directly. ``load`` checks the file,
+every key and shape, and the checksums of the bytes it will read on every rank, agrees, and
+only then writes: on any error, no rank's model has changed.
+
+[Note: checksums in full files]
+``.safetensors``: ``save`` writes the CRC-32 of every chunk of each tensor's bytes into the
+header's ``__metadata__`` (``bmtwrap.crc32_chunk_bytes``, and ``bmtwrap.crc32.<key>``: 8 hex
+digits per chunk; see [Note: chunked checksums] in ``checksum``). The header is written before
+the data, with zeros reserved for them, and rewritten in place once the data are written (hex
+digits of fixed width: the header keeps its length). ``load`` checks the chunks holding the
+range each rank reads; a file without them (plain safetensors, transformers) loads unchecked.
+The header itself is not covered: safetensors checks that its offsets and shapes agree.
+``.pt``: a zip archive already holds a CRC-32 per storage record, which ``torch.load`` does
+not check; ``load`` checks them, each rank its share of the records (see [Note: checking a
+.pt file] in ``full_format``). A file in torch's legacy (non-zip) format has no checksums.
 """
 
 from __future__ import annotations
@@ -60,7 +73,15 @@ from ..dist import DistContext
 from ..group import FlatBuffer
 from ..schedule import engine
 from ..wrap.materialize import restore_buffers
-from .full_format import SAFETENSORS_SUFFIX, _Entry, _open_writer, _safetensors_dtype, _Writer
+from .full_format import (
+    SAFETENSORS_SUFFIX,
+    _check_safetensors,
+    _check_zip,
+    _Entry,
+    _open_writer,
+    _safetensors_dtype,
+    _Writer,
+)
 from .io import PathLike, atomic_file, read_flat_range
 
 __all__ = ["load", "load_state_dict", "save"]
@@ -115,10 +136,23 @@ def _check_keys(expected: Mapping[str, torch.Tensor], given: Mapping[str, Sequen
 # --- reading: where the values come from ----------------------------------------------------------
 
 
+class _Read(NamedTuple):
+    """The part of one key that this rank reads: elements [start, end) of the flattened tensor."""
+
+    key: str
+    start: int
+    end: int
+    buffer: Optional[FlatBuffer]  # the flat buffer holding it, when the key is a sharded parameter
+
+
 class _Source(Protocol):
     """A checkpoint's tensors, read piece by piece."""
 
     def shapes(self) -> Dict[str, Tuple[int, ...]]: ...
+
+    def verify(self, reads: Sequence[_Read], rank: int, world: int) -> None:
+        """Check the bytes ``reads`` will take against the file's checksums, before anything is written."""
+        ...
 
     def read_range(self, key: str, start: int, end: int) -> torch.Tensor:
         """Elements ``[start, end)`` of the flattened tensor ``key``, 1-D."""
@@ -128,13 +162,16 @@ class _Source(Protocol):
 
 
 class _TensorSource:
-    """A state dict in memory (or memory-mapped by ``torch.load(mmap=True)``)."""
+    """A state dict in memory (or memory-mapped by ``torch.load(mmap=True)``): nothing to check."""
 
     def __init__(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         self._tensors = state_dict
 
     def shapes(self) -> Dict[str, Tuple[int, ...]]:
         return {k: tuple(v.shape) for k, v in self._tensors.items()}
+
+    def verify(self, reads: Sequence[_Read], rank: int, world: int) -> None:
+        pass
 
     def read_range(self, key: str, start: int, end: int) -> torch.Tensor:
         return self._tensors[key].detach().reshape(-1)[start:end]
@@ -143,20 +180,39 @@ class _TensorSource:
         return self._tensors[key].detach()
 
 
+class _ZipSource(_TensorSource):
+    """A memory-mapped ``torch.save`` archive: its records' CRC-32s are checked (see [Note: checking a .pt file])."""
+
+    def __init__(self, state_dict: Mapping[str, torch.Tensor], path: Path) -> None:
+        super().__init__(state_dict)
+        self._path = path
+
+    def verify(self, reads: Sequence[_Read], rank: int, world: int) -> None:
+        with _named_errors(self._path):
+            _check_zip(self._path, self._tensors, [read.key for read in reads], rank, world)
+
+
 class _SafetensorsSource:
     """A safetensors file: reads only the rows that cover the requested elements."""
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: Any, path: Path) -> None:
         self._handle = handle
+        self._path = path
 
     def shapes(self) -> Dict[str, Tuple[int, ...]]:
         return {k: tuple(self._handle.get_slice(k).get_shape()) for k in self._handle.keys()}
 
+    def verify(self, reads: Sequence[_Read], rank: int, world: int) -> None:
+        with _named_errors(self._path):
+            _check_safetensors(self._path, {key: (start, end) for key, start, end, _ in reads if end > start})
+
     def read_range(self, key: str, start: int, end: int) -> torch.Tensor:
-        return read_flat_range(self._handle.get_slice(key), start, end)
+        with _named_errors(self._path, after_check=True):
+            return read_flat_range(self._handle.get_slice(key), start, end)
 
     def read(self, key: str) -> torch.Tensor:
-        return self._handle.get_tensor(key)
+        with _named_errors(self._path, after_check=True):
+            return self._handle.get_tensor(key)
 
 
 def _corrupt(path: Path, err: BaseException) -> ValueError:
@@ -164,6 +220,24 @@ def _corrupt(path: Path, err: BaseException) -> ValueError:
                        "save it again, or load an intact copy")
     error.__cause__ = err
     return error
+
+
+@contextlib.contextmanager
+def _named_errors(path: Path, *, after_check: bool = False) -> Iterator[None]:
+    """Errors of safetensors, torch and zipfile while reading ``path`` as errors naming it and the fix.
+
+    Ours, which name the file already, pass through. ``after_check``: the file was checked before
+    anything was written, so it changed since, and this rank may be partly loaded.
+    """
+    try:
+        yield
+    except Exception as err:  # safetensors' SafetensorError, zipfile's BadZipFile, struct.error, OSError ...
+        if isinstance(err, (ValueError, OSError)) and str(path) in str(err):
+            raise
+        if not after_check:
+            raise _corrupt(path, err) from err
+        raise ValueError(f"cannot read {path} ({type(err).__name__}: {err}), which was readable when the load "
+                         "began; the model may be partly loaded: restore the file and load again") from err
 
 
 @contextlib.contextmanager
@@ -186,7 +260,7 @@ def _open_source(path: Path) -> Iterator[_Source]:
         except (safetensors.SafetensorError, ValueError, OSError) as err:
             raise _corrupt(path, err) from err
         with handle:
-            yield _SafetensorsSource(handle)
+            yield _SafetensorsSource(handle, path)
         return
     try:
         # A file from torch.save(..., _use_new_zipfile_serialization=False) cannot be mapped; it
@@ -210,21 +284,31 @@ def _open_source(path: Path) -> Iterator[_Source]:
     if wrong:
         raise ValueError(f"{path} is not a state dict of tensors: {_listed(wrong)}; if it is a training checkpoint, "
                          "load it with torch.load and pass its model state dict to bmtwrap.load_state_dict")
-    yield _TensorSource(state)
+    yield _ZipSource(state, path) if mapped else _TensorSource(state)
 
 
-@torch.no_grad()
-def _copy_into(model_state: Mapping[str, torch.Tensor], source: _Source, keys: Sequence[str]) -> None:
-    """Copy this rank's part of every key in ``keys`` from ``source`` into the (sharded) model."""
+def _plan_reads(model_state: Mapping[str, torch.Tensor], keys: Sequence[str]) -> List[_Read]:
+    """What this rank reads of every key in ``keys``: its piece of a sharded parameter, anything else whole."""
     eng = engine()
+    reads = []
     for key in keys:
         target = model_state[key]
         if isinstance(target, nn.Parameter) and eng.registry.is_sharded(target):
             buffer, slot = eng.registry.slot_of(eng.ctx, target)
-            piece = slot.piece
-            if piece.numel:
-                value = source.read_range(key, piece.param_start, piece.param_end)
-                target.copy_(value.to(device=target.device, dtype=target.dtype))
+            reads.append(_Read(key, slot.piece.param_start, slot.piece.param_end, buffer))
+        else:
+            reads.append(_Read(key, 0, target.numel(), None))
+    return reads
+
+
+@torch.no_grad()
+def _copy_into(model_state: Mapping[str, torch.Tensor], source: _Source, reads: Sequence[_Read]) -> None:
+    """Copy this rank's part of every key from ``source`` into the (sharded) model."""
+    for key, start, end, buffer in reads:
+        target = model_state[key]
+        if buffer is not None:
+            if end > start:
+                target.copy_(source.read_range(key, start, end).to(device=target.device, dtype=target.dtype))
             buffer.initialized = True
         else:
             target.copy_(source.read(key).to(device=target.device, dtype=target.dtype))
@@ -234,16 +318,20 @@ def _copy_into(model_state: Mapping[str, torch.Tensor], source: _Source, keys: S
 
 
 def _agree(ctx: DistContext, failure: Optional[BaseException], what: str) -> None:
-    """A collective: raise on every rank if any rank has a ``failure`` (see [Note: failing together])."""
-    anyone = failure is not None
+    """A collective: raise on every rank if any rank has a ``failure`` (see [Note: failing together]).
+
+    A rank raises its own error; the others a RuntimeError quoting the first failing rank's.
+    """
+    report = None if failure is None else f"{type(failure).__name__}: {failure}"
+    reports: List[Optional[str]] = [report]
     if ctx.world_size > 1:
-        flag = torch.tensor([int(anyone)], dtype=torch.int32, device=ctx.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.group)
-        anyone = bool(flag.item())
+        reports = [None] * ctx.world_size
+        dist.all_gather_object(reports, report, group=ctx.group)
     if failure is not None:
         raise failure
-    if anyone:
-        raise RuntimeError(f"{what} failed on another rank (rank 0 for writes); that rank's error says why")
+    failed = [(rank, text) for rank, text in enumerate(reports) if text is not None]
+    if failed:
+        raise RuntimeError(f"{what} failed on another rank: rank {failed[0][0]} raised {failed[0][1]}")
 
 
 # --- public: load -------------------------------------------------------------------------------
@@ -273,7 +361,7 @@ def load_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], *,
     """
     expected: Dict[str, torch.Tensor] = model.state_dict(keep_vars=True)
     _check_keys(expected, {k: tuple(v.shape) for k, v in state_dict.items()}, strict)
-    _copy_into(expected, _TensorSource(state_dict), [k for k in expected if k in state_dict])
+    _copy_into(expected, _TensorSource(state_dict), _plan_reads(expected, [k for k in expected if k in state_dict]))
     restore_buffers(model)
 
 
@@ -306,12 +394,17 @@ def load(model: nn.Module, path: PathLike, *, strict: bool = True) -> Incompatib
         The missing and unexpected keys, as ``load_state_dict`` returns them (both empty when
         ``strict``).
 
+    Before anything is written, each rank checks the bytes it will read against the checksums
+    the file carries (see [Note: checksums in full files]): those :func:`save` writes into a
+    ``.safetensors`` header, and the CRC-32 of each record of a ``.pt`` zip archive.
+
     Raises:
         FileNotFoundError: the file does not exist.
-        ValueError: the file is truncated or corrupt, is not a state dict of tensors, or does not
-            fit the model (missing or unexpected keys when ``strict``, shape mismatches, each
-            listed by name).
-        RuntimeError: another rank failed to read the file.
+        ValueError: the file is truncated or corrupt (bytes that do not match their checksum name
+            the tensor), is not a state dict of tensors, or does not fit the model (missing or
+            unexpected keys when ``strict``, shape mismatches, each listed by name).
+        OSError: the file cannot be read.
+        RuntimeError: another rank failed to read the file (its error is quoted).
 
     Example::
 
@@ -327,11 +420,13 @@ def load(model: nn.Module, path: PathLike, *, strict: bool = True) -> Incompatib
             source = stack.enter_context(_open_source(path))
             shapes = source.shapes()
             _check_keys(expected, shapes, strict, source=str(path))
+            reads = _plan_reads(expected, [k for k in expected if k in shapes])
+            source.verify(reads, ctx.rank, ctx.world_size)
         except Exception as err:  # raised on every rank below, after the others know
             failure = err
         _agree(ctx, failure, f"loading {path}")
         assert source is not None
-        _copy_into(expected, source, [k for k in expected if k in shapes])
+        _copy_into(expected, source, reads)
     restore_buffers(model)
     return IncompatibleKeys(sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected)))
 
@@ -408,7 +503,8 @@ def save(model: nn.Module, path: PathLike, *, non_blocking: bool = False) -> Non
     persistent buffers. ``.safetensors`` files are written in the safetensors format (tied
     weights as separate tensors under each key); any other suffix in ``torch.save``'s format
     (tied weights sharing one storage), readable by plain ``torch.load``. Any world size loads
-    it with :func:`load`.
+    it with :func:`load`, which checks the checksums both formats carry (``.safetensors``: the
+    CRC-32s of each tensor's chunks in the header's metadata; see [Note: checksums in full files]).
 
     Memory: one flat buffer (about one block) is gathered at a time, written, and released
     before the next, so device memory grows by at most one block, and rank 0 streams the file

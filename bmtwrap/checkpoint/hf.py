@@ -39,6 +39,7 @@ from .io import PathLike, read_flat_range
 
 __all__ = ["from_pretrained", "load_pretrained", "save_pretrained"]
 
+_REFETCH = "download or copy the checkpoint folder again"
 _DTYPES = MappingProxyType({
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
     "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
@@ -86,16 +87,21 @@ class _Files:
         """
         from safetensors import safe_open
 
-        if spec.path not in self._handles:
-            self._handles[spec.path] = safe_open(str(spec.path), framework="pt", device="cpu")
-        sliced = self._handles[spec.path].get_slice(key)
-        if span is None or len(spec.shape) == 0:
-            whole = sliced[...]
-            return whole if span is None else whole.reshape(-1)[span[0] : span[1]]
-        start, end = span
-        if start >= end:
-            return torch.empty(0, dtype=spec.dtype)
-        return read_flat_range(sliced, start, end)
+        try:
+            if spec.path not in self._handles:
+                self._handles[spec.path] = safe_open(str(spec.path), framework="pt", device="cpu")
+            sliced = self._handles[spec.path].get_slice(key)
+            if span is None or len(spec.shape) == 0:
+                whole = sliced[...]
+                return whole if span is None else whole.reshape(-1)[span[0] : span[1]]
+            start, end = span
+            if start >= end:
+                return torch.empty(0, dtype=spec.dtype)
+            return read_flat_range(sliced, start, end)
+        except Exception as caught:  # the file changed since its header was read: the model may be partly loaded
+            raise ValueError(f"cannot read '{key}' from {spec.path} ({type(caught).__name__}: {caught}), whose header "
+                             f"was readable when the load began; the model may be partly loaded: {_REFETCH} and "
+                             "load again") from caught
 
     def close(self) -> None:
         handles, self._handles = self._handles, {}
@@ -109,7 +115,8 @@ def _read_checkpoint(folder: Path) -> _Checkpoint:
     Raises:
         FileNotFoundError: no folder, no safetensors weights in it, or a shard file the index
             names is missing.
-        ValueError: the index lists a tensor its shard file does not hold.
+        ValueError: a weight file, the index or config.json is truncated or corrupt (named); the
+            index lists a tensor its shard file does not hold.
     """
     if not folder.is_dir():
         raise FileNotFoundError(
@@ -117,7 +124,7 @@ def _read_checkpoint(folder: Path) -> _Checkpoint:
             "with huggingface_hub.snapshot_download)")
     index_path = folder / INDEX_NAME
     if index_path.exists():
-        weight_map: Dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+        weight_map: Dict[str, str] = _read_json(index_path, "weight_map")
         files = sorted(set(weight_map.values()))
         for name in files:
             if not (folder / name).is_file():
@@ -135,20 +142,46 @@ def _read_checkpoint(folder: Path) -> _Checkpoint:
 
     tensors: Dict[str, _FileTensor] = {}
     for name in files:
-        with safe_open(str(folder / name), framework="pt", device="cpu") as handle:
-            for key in handle.keys():
-                sliced = handle.get_slice(key)
-                dtype = _DTYPES.get(sliced.get_dtype())
-                if dtype is None:
-                    raise NotImplementedError(
-                        f"tensor '{key}' in {name} has dtype {sliced.get_dtype()}, which bmtwrap cannot load")
-                tensors[key] = _FileTensor(folder / name, tuple(sliced.get_shape()), dtype)
+        for key, (dtype_name, shape) in _read_header(folder / name).items():
+            dtype = _DTYPES.get(dtype_name)
+            if dtype is None:
+                raise NotImplementedError(f"tensor '{key}' in {name} has dtype {dtype_name}, which bmtwrap cannot load")
+            tensors[key] = _FileTensor(folder / name, shape, dtype)
     stray = [k for k, f in weight_map.items() if k not in tensors or tensors[k].path.name != f]
     if stray:
         raise ValueError(f"{index_path} lists tensors its shard files do not hold: {', '.join(sorted(stray)[:10])}")
     config_path = folder / "config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    config = _read_json(config_path, None) if config_path.is_file() else {}
     return _Checkpoint(folder, tensors, config)
+
+
+def _read_header(path: Path) -> Dict[str, Tuple[str, Tuple[int, ...]]]:
+    """Each tensor's dtype name and shape, from a safetensors file's header (which safetensors checks whole).
+
+    Raises:
+        ValueError: the file is truncated or corrupt (never safetensors' own error, which names no file).
+    """
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            slices = {key: handle.get_slice(key) for key in handle.keys()}
+            return {key: (sliced.get_dtype(), tuple(sliced.get_shape())) for key, sliced in slices.items()}
+    except Exception as caught:  # SafetensorError, OSError, ...
+        raise ValueError(f"{path} is not a readable safetensors file ({type(caught).__name__}: {caught}): it is "
+                         f"truncated or corrupt (an interrupted download or copy?); {_REFETCH}") from caught
+
+
+def _read_json(path: Path, field: Optional[str]) -> Any:
+    """The JSON object in ``path`` (its ``field``, if given); an error naming the file if it cannot be read."""
+    try:
+        value = json.loads(path.read_text())
+        return value if field is None else value[field]
+    except (OSError, ValueError, KeyError, TypeError) as caught:
+        what = f"a JSON object with '{field}'" if field else "JSON"
+        raise ValueError(f"{path} cannot be read as {what} ({type(caught).__name__}: {caught}): it is truncated "
+                         f"or corrupt; {_REFETCH}") from caught
+
 
 # --- loading -----------------------------------------------------------------------------------
 
@@ -336,7 +369,9 @@ def load_pretrained(model: nn.Module, folder: PathLike, *, strict: bool = True) 
         TypeError: ``model`` is not a transformers model.
         FileNotFoundError: no folder, no safetensors weights in it, a shard file missing.
         ValueError: missing/unexpected keys (``strict``) or shape mismatches, each listed by name;
-            a checkpoint of another architecture. Nothing is written then.
+            a checkpoint of another architecture; a truncated or corrupt weight file, index or
+            config.json (its path given). Nothing is written then. (Hugging Face files carry no
+            checksums: damage inside a tensor's bytes cannot be seen.)
 
     Example::
 

@@ -513,9 +513,11 @@ def load_checkpoint(folder: PathLike, model: nn.Module, optimizer: OptimizerArg 
     of every parameter it owns now and reads exactly the overlapping byte ranges of the saved
     files; optimizer state follows its parameter by name and reaches each optimizer through its
     own ``load_state_dict``. Everything is checked first (the index, keys and shapes, the
-    optimizers, and that every file this rank needs is present and whole), on every rank; if any
-    rank finds a problem, every rank raises and nothing is changed. Files in the folder that the
-    index does not name (strays of an interrupted save) are ignored.
+    optimizers, that every file this rank needs is present and whole, and the CRC-32 of every
+    chunk of bytes it will read), on every rank; if any rank finds a problem, every rank raises
+    and nothing is changed. Files in the folder that the index does not name (strays of an
+    interrupted save) are ignored. A checkpoint of bmtwrap before checksums (index version 1)
+    loads without the byte check (see [Note: sharded checkpoint format]).
 
     RNG states: rank r restores the Python ``random``, NumPy, torch CPU and (if both runs use
     CUDA) CUDA states that rank r saved. At a larger world size, a rank ``r >= saved world size``
@@ -538,9 +540,11 @@ def load_checkpoint(folder: PathLike, model: nn.Module, optimizer: OptimizerArg 
     Raises:
         FileNotFoundError: no ``index.json`` in ``folder``; a shard file the index names is
             missing (its path is given).
-        ValueError: a truncated, corrupt or foreign shard file (its path is given); missing or
+        ValueError: a truncated, corrupt or foreign shard file (its path is given; bytes that
+            differ from their checksum name the file and the tensor); missing or
             unexpected keys or shape mismatches (listed by name); a different number or kind of
             optimizers, parameter groups or parameters; a different number of schedulers.
+        OSError: a shard file cannot be read (an I/O error), its path given.
 
     Example::
 
@@ -564,6 +568,7 @@ def load_checkpoint(folder: PathLike, model: nn.Module, optimizer: OptimizerArg 
                 raise ValueError(f"the checkpoint holds {len(index['lr_schedulers'])} lr scheduler(s) but "
                                  f"{len(schedulers)} were given; pass the ones given to save_checkpoint")
             _plan_rng(index, reader, ctx.rank)
+            reader.verify()  # the checksums of every chunk this rank will read
         except Exception as caught:  # every rank must reach the agreement below
             error = caught
         _agree(ctx, error)
