@@ -9,12 +9,14 @@ Public names only; see each one's docstring. A BMTrain program runs after ``impo
 # imports the engine directly).
 #
 # engine
+#   watchdog.py      heartbeats in the job's store: a failed collective names the rank at fault
 #   dist.py          DistContext: the process group, device and copy streams of this process
 #   param.py         DistributedParameter and the shard arithmetic (FlatLayout, LocalPiece)
 #   collectives.py   all-gather, reduce-scatter, all-reduce: one free function each
 #   offload.py       what a flat buffer keeps on the host, and the host memory it lives in
 #   ops/             checked entry points to the compiled kernels (the only importer of _C)
 #   group.py         the communication unit: flat buffers, ShardState, gather/release/reduce-scatter
+#   on_demand.py     a forward's torch-function mode: a block's parameter used outside it is gathered
 #   shard.py         sharding a module's parameters into a group (build_group, lone_group)
 #   schedule.py      the Engine (per-process run-time state, TrainingState, reductions in flight) and
 #                    the Schedule: execution order, prefetch policy, in-flight reduction bound
@@ -53,6 +55,7 @@ from .distributed import gather_result
 from .module import DistributedModule, grouped_parameters, init_parameters
 from .param import DistributedParameter
 from .utils import print_block, print_dict, see_memory
+from .watchdog import CollectiveError
 from .wrap import WrapPlan, materialize, plan, wrap
 
 BMTrainModelWrapper = wrap
@@ -66,6 +69,7 @@ __all__ = [
     "BMTrainModelWrapper",
     "CheckpointBlock",
     "CheckpointInfo",
+    "CollectiveError",
     "config",
     "debug",
     "distributed",

@@ -8,17 +8,23 @@ to keep in step.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
+import math
+import numbers
 import os
 import random
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Protocol
+from typing import Any, ContextManager, Dict, Optional, Protocol, Union
 
 import torch
 import torch.distributed as dist
 
+from .watchdog import Watchdog, default_store
+
 __all__ = [
+    "DEFAULT_TIMEOUT",
     "DistContext",
     "current",
     "init_distributed",
@@ -30,6 +36,16 @@ __all__ = [
     "wait_loader",
     "world_size",
 ]
+
+
+# How long a collective may wait for the slowest rank before the job fails (see init_distributed's
+# ``timeout``). Legitimate waits that long exist: while rank 0 writes a consolidated checkpoint of a
+# model of tens of billions of parameters (100+ GB at a few hundred MB/s on a network file system:
+# 5-10 minutes) the other ranks wait in its next collective, and creating the NCCL communicators of
+# a job of hundreds of nodes (at the first collective) takes a minute or more. torch's 10 minutes for NCCL is
+# known to cut such saves short; 30 minutes (torch's gloo default, DeepSpeed's default) does not,
+# and still ends a hung job within the half-hour instead of holding its machines for days.
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 
 class AttachedEngine(Protocol):
@@ -60,6 +76,8 @@ class DistContext:
         copy_streams: CUDA streams for copies between host and device beside the computation,
             by direction (see :meth:`copy_stream`).
         debug_values: what the program stored with ``bmtwrap.debug.set`` (BMTrain's debug store).
+        watchdog: the heartbeat that names the rank at fault when a collective fails (see
+            ``bmtwrap/watchdog.py``); ``None`` in a world of one.
     """
 
     rank: int
@@ -72,6 +90,7 @@ class DistContext:
     inspector: Optional[Any] = field(default=None, repr=False)
     copy_streams: Dict[str, Any] = field(default_factory=dict, repr=False)
     debug_values: Dict[str, Any] = field(default_factory=dict, repr=False)
+    watchdog: Optional[Watchdog] = field(default=None, repr=False)
 
     def copy_stream(self, direction: str) -> "torch.cuda.Stream":
         """The stream of ``direction``'s copies ("to_device" or "to_host") on this CUDA device, made on first use.
@@ -83,6 +102,13 @@ class DistContext:
         if stream is None:
             stream = self.copy_streams[direction] = torch.cuda.Stream(self.device)
         return stream
+
+    def watched(self, kind: str, label: str = "") -> ContextManager[None]:
+        """Around a blocking collective on :attr:`group`: its failure raises ``bmtwrap.CollectiveError``
+        naming ``kind`` (``"barrier"``), ``label`` and the ranks at fault, not the backend's bare error."""
+        if self.watchdog is None:
+            return contextlib.nullcontext()
+        return self.watchdog.blocking((kind, label))
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -157,7 +183,8 @@ def init_distributed(
     *,
     init_method: str = "env://",
     backend: Optional[str] = None,
-    timeout: Optional[datetime.timedelta] = None,
+    timeout: Union[datetime.timedelta, float, None] = None,
+    check_collectives: bool = False,
     pipe_size: int = -1,
     tp_size: int = 1,
     num_micro_batches: Optional[int] = None,
@@ -175,7 +202,18 @@ def init_distributed(
             forward and gathers them again for backward; 2 keeps them until backward.
         init_method: passed to ``torch.distributed.init_process_group`` under a launcher.
         backend: ``"nccl"`` or ``"gloo"``; default: NCCL if CUDA is available, else gloo.
-        timeout: collective timeout, passed through.
+        timeout: how long a collective may wait for the slowest rank, as a ``timedelta`` or in
+            seconds; default (``None``) :data:`DEFAULT_TIMEOUT`, 30 minutes: long enough for rank 0
+            to write a consolidated checkpoint of a large model while the others wait, and for the
+            first NCCL collective of a large job. When a rank dies or stops taking part, the others
+            raise :class:`bmtwrap.CollectiveError` within it (a dead rank that breaks a connection:
+            at once), naming the rank and the operation (see ``bmtwrap/watchdog.py``). Ignored, with
+            a warning, when ``torch.distributed`` was initialised by the caller.
+        check_collectives: a debugging aid: before each of the engine's collectives the ranks
+            compare what they are about to run, and raise :class:`bmtwrap.CollectiveError` naming
+            both operations and the ranks of each when they differ (ranks running different blocks
+            would otherwise pair unrelated buffers). Costs one small extra collective, and on CUDA a
+            synchronisation, per collective.
         pipe_size: BMTrain's pipeline size, accepted for compatibility; above 1 raises
             ``NotImplementedError`` (there is no pipeline parallelism).
         tp_size: BMTrain's tensor-parallel size, accepted for compatibility; above 1 raises
@@ -186,15 +224,19 @@ def init_distributed(
         The process's :class:`DistContext`.
 
     Raises:
-        ValueError: ``zero_level`` not 2 or 3; an unknown backend; ``backend="nccl"`` without CUDA.
+        ValueError: ``zero_level`` not 2 or 3; an unknown backend; ``backend="nccl"`` without CUDA;
+            ``timeout`` not positive and finite.
+        TypeError: ``timeout`` neither a ``timedelta`` nor a number of seconds.
         RuntimeError: ``LOCAL_RANK`` names a GPU this process cannot see (more processes than GPUs).
         NotImplementedError: ``pipe_size > 1`` or ``tp_size > 1``.
 
     Example::
 
         import bmtwrap as bmt
-        bmt.init_distributed(seed=0)
+        bmt.init_distributed(seed=0, timeout=600)  # fail within 10 minutes when a rank stops
         bmt.print_rank(f"rank {bmt.rank()} of {bmt.world_size()}")
+        # Debugging ranks that hang or diverge: each collective first checks that all ranks run it.
+        # bmt.init_distributed(seed=0, check_collectives=True)
     """
     global _CONTEXT
     if zero_level not in (2, 3):
@@ -207,9 +249,12 @@ def init_distributed(
             "bmtwrap shards parameters over all ranks (ZeRO)"
         )
     del num_micro_batches  # BMTrain's pipeline option; nothing to do without pipelines
+    wait_limit = _check_timeout(timeout)
     if is_initialized():
         warnings.warn("bmtwrap.init_distributed() was called again; keeping the first context", stacklevel=2)
         return _CONTEXT
+    if _CONTEXT is not None and _CONTEXT.watchdog is not None:
+        _CONTEXT.watchdog.stop()  # the group it watched was destroyed
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = _pick_device(local_rank, backend)
@@ -219,7 +264,7 @@ def init_distributed(
         # then abort the process at exit. Imported first, it does not.
         import torch._dynamo  # noqa: F401
         chosen = backend or ("nccl" if device.type == "cuda" else "gloo")
-        kwargs: dict = {} if timeout is None else {"timeout": timeout}
+        kwargs: dict = {"timeout": wait_limit}
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             if device.type == "cuda":
                 kwargs["device_id"] = device
@@ -230,6 +275,11 @@ def init_distributed(
         # BMTrain programs never destroy the group; a group alive at interpreter shutdown can abort
         # the process from gloo's threads. The group made here is destroyed at exit.
         atexit.register(_destroy_at_exit)
+    else:
+        if timeout is not None:
+            warnings.warn("init_distributed(timeout=...) has no effect: torch.distributed was initialised "
+                          "before; pass the timeout to init_process_group instead", stacklevel=2)
+        wait_limit = _group_timeout(device)
     _CONTEXT = DistContext(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
@@ -238,11 +288,42 @@ def init_distributed(
         zero_level=zero_level,
         seed=seed,
     )
+    if _CONTEXT.world_size > 1:
+        _CONTEXT.watchdog = Watchdog(default_store(), _CONTEXT.rank, _CONTEXT.world_size, wait_limit,
+                                     check_collectives=check_collectives,
+                                     watch_completion=dist.get_backend() == "nccl")
+        _CONTEXT.watchdog.start()
     _seed_everything(seed)
     return _CONTEXT
 
 
+def _check_timeout(timeout: Union[datetime.timedelta, float, None]) -> datetime.timedelta:
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"timeout must be a datetime.timedelta or a number of seconds, got {type(timeout).__name__} "
+                        f"{timeout!r}")
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"timeout must be a positive, finite time, got {timeout!r}; "
+                         f"the default is {DEFAULT_TIMEOUT.total_seconds():g} s")
+    return datetime.timedelta(seconds=seconds)
+
+
+def _group_timeout(device: torch.device) -> datetime.timedelta:
+    """The timeout of a default group made by the caller (private torch attributes; the torch default if gone)."""
+    try:
+        return dist.group.WORLD._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return datetime.timedelta(minutes=10 if dist.get_backend() == "nccl" else 30)
+
+
 def _destroy_at_exit() -> None:
+    if _CONTEXT is not None and _CONTEXT.watchdog is not None:
+        _CONTEXT.watchdog.stop()  # before the store it writes to goes away with the group
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -262,7 +343,8 @@ def synchronize() -> None:
     ctx = current()
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
-    dist.barrier(group=ctx.group)
+    with ctx.watched("barrier", "synchronize()"):
+        dist.barrier(group=ctx.group)
 
 
 def sum_loss(loss: torch.Tensor, method: str = "mean") -> torch.Tensor:
@@ -276,7 +358,8 @@ def sum_loss(loss: torch.Tensor, method: str = "mean") -> torch.Tensor:
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"sum_loss expects a tensor, got {type(loss).__name__}")
     out = loss.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=ctx.group)
+    with ctx.watched("all-reduce", "sum_loss()"):
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=ctx.group)
     if method == "mean":
         out = out / ctx.world_size
     return out

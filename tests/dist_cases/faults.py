@@ -1,0 +1,94 @@
+"""A training loop in which one rank fails, for tests/test_faults.py (launched without torchrun).
+
+argv: mode, victim rank, collective timeout (s), and check ("check" turns on check_collectives).
+
+Every rank trains a small wrapped model (on its GPU where CUDA is available, over NCCL) (4 blocks, SGD, ``bmt.sum_loss`` each step). In step
+``FAULT_STEP`` the victim, inside the forward of block ``FAULT_BLOCK``:
+- ``kill``: SIGKILLs itself;
+- ``hang``: sleeps for an hour (alive, never reaching its next collective);
+- ``reorder``: runs its blocks in reverse order from there on (what rank-dependent control flow does);
+- ``none``: nothing (the loop ends normally).
+Each rank prints ``rank R step S`` after each step, ``FAULT <mode> <unix time>`` just before the
+fault and ``RAISED <unix time>`` when a ``bmtwrap.CollectiveError`` reaches the top, on stdout,
+flushed; the error's traceback goes to stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import torch
+from torch import nn
+
+import bmtwrap as bmt
+
+MODE, VICTIM, TIMEOUT = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+CHECK = len(sys.argv) > 4 and sys.argv[4] == "check"
+STEPS, FAULT_STEP, FAULT_BLOCK, WIDTH = 6, 3, 2, 64
+
+
+class Layer(nn.Module):
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, WIDTH) -> (B, WIDTH)
+        if STATE["step"] == FAULT_STEP and self.index == FAULT_BLOCK and not STATE["fired"] and bmt.rank() == VICTIM:
+            STATE["fired"] = True
+            fault()
+        return torch.tanh(self.lin(x))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer(i) for i in range(4))
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        order = list(self.layers)
+        if STATE["reversed"]:
+            order.reverse()
+        for layer in order:
+            x = layer(x)
+        return self.head(x)
+
+
+STATE = {"step": 0, "fired": False, "reversed": False}
+
+
+def fault() -> None:
+    print(f"FAULT {MODE} {time.time():.3f}", flush=True)
+    if MODE == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif MODE == "hang":
+        time.sleep(3600)
+    elif MODE == "reorder":
+        STATE["reversed"] = True
+
+
+def main() -> None:
+    ctx = bmt.init_distributed(seed=0, timeout=TIMEOUT, check_collectives=CHECK)
+    model = bmt.wrap(Net().to(ctx.device))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(bmt.rank())
+    for step in range(1, STEPS + 1):
+        STATE["step"] = step
+        x = torch.randn(8, WIDTH, generator=data).to(ctx.device)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        print(f"rank {bmt.rank()} step {step} loss {bmt.sum_loss(loss).item():.6f}", flush=True)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except bmt.CollectiveError:
+        print(f"RAISED {time.time():.3f}", flush=True)
+        raise
