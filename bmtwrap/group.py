@@ -132,6 +132,7 @@ class FlatBuffer:
         # Writes of the shard still in flight (an offloading optimizer's updates): a gather waits
         # for each (see await_write).
         self._writes: List[Any] = []
+        self.group: Optional["ParamGroup"] = None  # the group that gathers it (set by ParamGroup)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -167,7 +168,7 @@ class FlatBuffer:
             if self.offloaded:
                 self._gather_from_host()
             else:
-                self._gather = all_gather(self.ctx, self.full, self.local)
+                self._gather = all_gather(self.ctx, self.full, self.local, label=self.label)
         self.state = ShardState.GATHERING
 
     def _gather_from_host(self) -> None:
@@ -177,13 +178,14 @@ class FlatBuffer:
         source = self.full[self.ctx.rank * size : (self.ctx.rank + 1) * size]
         if self.ctx.device.type != "cuda":
             source.copy_(self.local)
-            self._gather = all_gather(self.ctx, self.full, source)
+            self._gather = all_gather(self.ctx, self.full, source, label=self.label)
             return
         stream = self.ctx.copy_stream("to_device")
         stream.wait_stream(torch.cuda.current_stream(self.ctx.device))  # full's storage was just allocated there
         with torch.cuda.stream(stream):
             source.copy_(self.local, non_blocking=True)
-            self._gather = all_gather(self.ctx, self.full, source)  # NCCL waits for this stream: after the copy
+            # NCCL waits for this stream: after the copy
+            self._gather = all_gather(self.ctx, self.full, source, label=self.label)
             self._copied = torch.cuda.Event()
             self._copied.record(stream)
 
@@ -288,7 +290,7 @@ class FlatBuffer:
             full_grad[start:end].zero_()
         shard = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=self.ctx.device)
         with record_function(f"bmtwrap.reduce_scatter:{self.label}"):
-            pending = reduce_scatter_mean(self.ctx, shard, full_grad)
+            pending = reduce_scatter_mean(self.ctx, shard, full_grad, label=self.label)
         return PendingReduction(self, pending, full_grad)
 
     def accumulate_grad(self, shard: torch.Tensor) -> None:
@@ -459,6 +461,10 @@ class ParamGroup:
         self.on_reduce = on_reduce
         self.slots: List[ParamSlot] = [slot for buffer in buffers for slot in buffer.slots]
         self.dissolved = False
+        # Pinned: gathered on demand outside its owner's run (see on_demand.py); release() waits for unpin().
+        self.pinned = False
+        for buffer in buffers:
+            buffer.group = self
 
     def dissolve(self) -> None:
         """The parameters left this group (see ``shard.unshard_group``): it holds nothing from now on, so a
@@ -487,8 +493,18 @@ class ParamGroup:
                 buffer.wait_gather()
 
     def release(self) -> None:
+        """Free every gathered buffer, unless the group is pinned."""
+        if self.pinned:
+            return
         for buffer in self.buffers:
             buffer.release()
+
+    def pin(self) -> None:
+        """Keep the group gathered through every release() until :meth:`unpin`."""
+        self.pinned = True
+
+    def unpin(self) -> None:
+        self.pinned = False
 
     def owns_storage(self, tensor: torch.Tensor) -> bool:
         return any(buffer.owns_storage(tensor) for buffer in self.buffers)

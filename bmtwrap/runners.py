@@ -142,6 +142,10 @@ class BlockRunner:
     # --- forward -----------------------------------------------------------------------------------
     def run(self, call: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """Run ``call(*args, **kwargs)`` (the module's own forward) as this block."""
+        with self._engine.engine_work():
+            return self._run(call, args, kwargs)
+
+    def _run(self, call: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         eng = self._engine
         eng.recover_if_stale()
         eng.schedule.order.record(self)
@@ -186,7 +190,7 @@ class BlockRunner:
         views = self.group.unshard()
         self.group.swap_in(views)
         try:
-            with record_function(f"bmtwrap.forward:{self.name}"):
+            with record_function(f"bmtwrap.forward:{self.name}"), self._engine.user_code():
                 if self._activation_probe is not None and in_backward():
                     return self._measured(call, args, kwargs)
                 return call(*args, **kwargs)
@@ -244,6 +248,21 @@ class BlockRunner:
     def backward_done(self) -> None:
         self._awaiting_inputs = 0
         self._awaiting_params = 0
+        self.group.unpin()
+        self.group.release()
+
+    # --- used outside its run (see [Note: parameters used outside their block] in on_demand.py) -----
+    def lend(self) -> None:
+        """The group is gathered for code outside this block in the running forward: keep it gathered until
+        the backward ends (:meth:`backward_done`), or the forward does without autograd (:meth:`take_back`)."""
+        self.group.pin()
+        if torch.is_grad_enabled():
+            self._awaiting_params += int(self.group.trainable)  # its gradients arrive as another forward's
+            self._engine.forward_with_grad(self)
+
+    def take_back(self) -> None:
+        """A forward without autograd that lent the group has ended."""
+        self.group.unpin()
         self.group.release()
 
 
@@ -298,12 +317,20 @@ class RootRunner:
         if eng.state is not TrainingState.FORWARD:
             eng.recover_if_stale()
         outermost = eng.enter_root(self)
-        # The outermost root's first block is gathered together with the root; a root entered inside
-        # another's forward (a separately wrapped model being called) gathers its own group only.
-        for group in eng.schedule.root_gathers(self) if outermost else [self.group]:
-            group.prefetch()
-        self.group.ensure_gathered()
-        self.group.swap_in(self.group.unshard())
+        try:
+            with eng.engine_work():
+                # The outermost root's first block is gathered together with the root; a root entered inside
+                # another's forward (a separately wrapped model being called) gathers its own group only.
+                for group in eng.schedule.root_gathers(self) if outermost else [self.group]:
+                    group.prefetch()
+                self.group.ensure_gathered()
+                self.group.swap_in(self.group.unshard())
+        except BaseException:
+            # A gather refused (a model cast after sharding, one never loaded): no forward ran, so none
+            # is left half-entered for the next call to trip over.
+            eng.leave_root(self)
+            self.group.swap_out()
+            raise
         if torch.is_grad_enabled():
             # Even a frozen root stays gathered until backward ends: backward reads its weights to
             # pass gradients down (a frozen LM head above trainable adapters).
@@ -312,12 +339,14 @@ class RootRunner:
 
     def exit(self) -> None:
         """End of the forward this root entered."""
-        if not self._engine.root_running(self):
+        eng = self._engine
+        if not eng.root_running(self):
             return
-        self._engine.leave_root(self)
-        self.group.swap_out()
-        if not torch.is_grad_enabled():
-            self.group.release()
+        with eng.engine_work():
+            eng.leave_root(self)
+            self.group.swap_out()
+            if not torch.is_grad_enabled():
+                self.group.release()
 
     def _reduced(self, group: ParamGroup, pending: List[PendingReduction]) -> None:
         self._engine.add_reductions(pending)

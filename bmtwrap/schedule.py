@@ -31,7 +31,7 @@ import contextlib
 import enum
 import types
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Protocol, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping, Optional, Protocol, Tuple
 
 import torch
 from torch import nn
@@ -40,6 +40,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .dist import DistContext, current
 from .group import FlatBuffer, ParamGroup, ParamRegistry, PendingReduction
+from .on_demand import OnDemandGathers
 
 __all__ = ["Engine", "ExecutionOrder", "Linked", "Participant", "Schedule", "TrainingState", "WrapRecord", "engine",
            "in_backward"]
@@ -81,6 +82,12 @@ class Linked(Participant, Protocol):
     next_block: Optional["Linked"]
     prev_block: Optional["Linked"]
 
+    def lend(self) -> None:
+        """Its group is gathered for code outside it in this forward (see on_demand.py)."""
+
+    def take_back(self) -> None:
+        """The forward without autograd that lent its group has ended."""
+
 
 class WrapRecord(Protocol):
     """What :func:`bmtwrap.wrap` made of one model, as the engine keeps it (``wrap.convert.Wrapped``)."""
@@ -101,13 +108,19 @@ class ExecutionOrder:
 
     def __init__(self) -> None:
         self._last: Optional[Linked] = None
-        self.first: Optional[Linked] = None  # the block that first ran first in a forward
+        self._root: Optional[Participant] = None  # the root whose forward runs, None for blocks run alone
+        # The block that first ran first in a forward of each root (models do not share their first block).
+        self._firsts: "weakref.WeakKeyDictionary[Participant, Linked]" = weakref.WeakKeyDictionary()
         self.known = False  # a whole step (forward and backward) has been seen
+
+    def first_of(self, root: Participant) -> Optional[Linked]:
+        """The block that first ran first in ``root``'s forward, if one did."""
+        return self._firsts.get(root)
 
     def record(self, block: Linked) -> None:
         last = self._last
-        if last is None and self.first is None:
-            self.first = block
+        if last is None and self._root is not None and self._root not in self._firsts:
+            self._firsts[self._root] = block
         if last is not None and last is not block:
             if last.next_block is None:
                 last.next_block = block
@@ -115,9 +128,10 @@ class ExecutionOrder:
                 block.prev_block = last
         self._last = block
 
-    def restart(self) -> None:
-        """A new forward begins: the next block recorded has no predecessor."""
+    def restart(self, root: Optional[Participant] = None) -> None:
+        """A new forward begins (``root``'s, or blocks run alone): the next block recorded has no predecessor."""
         self._last = None
+        self._root = root
 
     def step_seen(self) -> None:
         """A whole step ended (its backward finished): restart, and the links are now known."""
@@ -139,7 +153,7 @@ class Schedule:
 
     def root_gathers(self, root: Participant) -> List[ParamGroup]:
         """A root enters a forward: its own group, then the block that first ran first."""
-        first = self.order.first
+        first = self.order.first_of(root)
         return [root.group] if first is None else [root.group, first.group]
 
     def forward_gathers(self, block: Linked) -> List[ParamGroup]:
@@ -181,6 +195,9 @@ class Engine:
         self._wrapped: Dict[int, WrapRecord] = {}  # id(model) -> what bmtwrap.wrap made of it
         # The module each block runs -> its runner: a Block or a block wrap made (see block_runner_of).
         self._block_runners: "weakref.WeakKeyDictionary[nn.Module, Linked]" = weakref.WeakKeyDictionary()
+        self._runner_of_group: Dict[int, Linked] = {}  # id(group) -> the block runner that gathers it
+        # The mode of the forward running under the outermost root (see on_demand.py), if any.
+        self._on_demand: Optional[OnDemandGathers] = None
         # Reductions in flight, each with whether it is the buffer's last in this backward.
         self._pending: List[Tuple[PendingReduction, bool]] = []
         # Told of each buffer whose gradient is final for this backward (an optimizer stepping in
@@ -234,7 +251,9 @@ class Engine:
         assert self.may_enter_root(root), f"rank {self.ctx.rank}: a root entered where it may not"
         outermost = not self._active_roots
         if outermost:
-            self.schedule.order.restart()
+            self.schedule.order.restart(root)
+            self._on_demand = OnDemandGathers(self.registry, lambda buffer: buffer.group, self._lend)
+            self._on_demand.__enter__()
         self._active_roots.append(root)
         return outermost
 
@@ -244,6 +263,12 @@ class Engine:
             f"rank {self.ctx.rank}: a root left a forward it did not enter last"
         )
         self._active_roots.pop()
+        if not self._active_roots and self._on_demand is not None:
+            mode, self._on_demand = self._on_demand, None
+            mode.__exit__(None, None, None)
+            if not torch.is_grad_enabled():
+                for group in mode.lent:
+                    self._runner_of_group[id(group)].take_back()
 
     def enter_block(self) -> None:
         """A block's module starts running (FORWARD until the matching :meth:`leave_block`)."""
@@ -261,6 +286,24 @@ class Engine:
     def register_block(self, module: nn.Module, runner: Linked) -> None:
         """``runner`` runs ``module`` as a block from now on."""
         self._block_runners[module] = runner
+        self._runner_of_group[id(runner.group)] = runner
+
+    def engine_work(self) -> ContextManager[None]:
+        """The engine's own code runs: the forward's on-demand mode lets sharded parameters pass as they are."""
+        mode = self._on_demand
+        return contextlib.nullcontext() if mode is None else mode.pausing(True)
+
+    def user_code(self) -> ContextManager[None]:
+        """The model's own code runs (inside :meth:`engine_work`): the on-demand mode watches again."""
+        mode = self._on_demand
+        return contextlib.nullcontext() if mode is None else mode.pausing(False)
+
+    def _lend(self, group: ParamGroup) -> bool:
+        runner = self._runner_of_group.get(id(group))
+        if runner is None or runner.group is not group:
+            return False
+        runner.lend()
+        return True
 
     def block_runner_of(self, module: nn.Module) -> Optional[Linked]:
         """The runner of the block that runs ``module``, if one does (its group owns the module's parameters)."""

@@ -16,8 +16,13 @@ def _block(name):
     return SimpleNamespace(group=f"group {name}", next_block=None, prev_block=None, backward_done=lambda: None)
 
 
-def _ran(schedule, *blocks):
-    schedule.order.restart()
+class _Root:
+    def __init__(self, name):
+        self.group = f"group {name}"
+
+
+def _ran(schedule, *blocks, root=None):
+    schedule.order.restart(root)
     for block in blocks:
         schedule.order.record(block)
 
@@ -25,11 +30,14 @@ def _ran(schedule, *blocks):
 def test_prefetch_follows_the_first_forward_order():
     schedule = Schedule()
     a, b, c = _block("a"), _block("b"), _block("c")
-    root = SimpleNamespace(group="group root")
+    root, other = _Root("root"), _Root("other")
     assert schedule.root_gathers(root) == ["group root"]  # nothing ran yet
     assert schedule.forward_gathers(a) == ["group a"]
-    _ran(schedule, a, b, c)
+    _ran(schedule, a, b, c, root=root)
     assert schedule.root_gathers(root) == ["group root", "group a"]
+    assert schedule.root_gathers(other) == ["group other"]  # another model's first block is not this one's
+    _ran(schedule, c, root=other)
+    assert schedule.root_gathers(other) == ["group other", "group c"]
     assert schedule.forward_gathers(a) == ["group a", "group b"]
     assert schedule.forward_gathers(c) == ["group c"]
     assert schedule.backward_gathers(c) == ["group c", "group b"]

@@ -1,6 +1,7 @@
 """Optimizers and the optimizer manager."""
 
 from .adam import AdamOffloadOptimizer, AdamOptimizer
+from .nonfinite import NonFiniteGradientError
 from .optim_manager import OptimManager
 
-__all__ = ["AdamOffloadOptimizer", "AdamOptimizer", "OptimManager"]
+__all__ = ["AdamOffloadOptimizer", "AdamOptimizer", "NonFiniteGradientError", "OptimManager"]

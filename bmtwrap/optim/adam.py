@@ -22,6 +22,7 @@ from ..dist import is_initialized
 from ..group import ROOT_LABEL
 from ..offload import DEFAULT_CHUNK_NUMEL, DEFAULT_SLOTS, OffloadPolicy, host_zeros
 from ..schedule import engine
+from .nonfinite import NonFiniteGradientError, any_nonfinite, check_choice, describe_nonfinite
 
 __all__ = ["AdamOffloadOptimizer", "AdamOptimizer"]
 
@@ -72,7 +73,8 @@ class _AdamBase(torch.optim.Optimizer):
     """Hyper-parameters, state layout and (de)serialisation shared by both optimizers."""
 
     def __init__(self, params: Iterable[Any], lr: float, betas: Tuple[float, float], eps: float,
-                 weight_decay: float, decoupled: bool, master_dtype: torch.dtype, who: str, hold_steps: int = 0) -> None:
+                 weight_decay: float, decoupled: bool, master_dtype: torch.dtype, who: str, hold_steps: int = 0,
+                 nonfinite: str = "raise") -> None:
         if master_dtype != torch.float32:
             raise TypeError(f"{who}: the master copy must be fp32 (master_dtype=torch.float32), got {master_dtype}")
         if lr < 0 or eps < 0 or weight_decay < 0:
@@ -81,12 +83,15 @@ class _AdamBase(torch.optim.Optimizer):
             raise ValueError(f"{who}: betas must be in [0, 1), got {betas}")
         if not isinstance(hold_steps, int) or hold_steps < 0:
             raise ValueError(f"{who}: hold_steps must be an int >= 0, got {hold_steps!r}")
+        check_choice(nonfinite, who)
         # hold_steps lives in each group, so that state_dict()/load_state_dict() carry what is left of it.
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, decoupled=decoupled,
                         hold_steps=hold_steps)
         super().__init__(params, defaults)
         _check_params([p for g in self.param_groups for p in g["params"]], who)
         self._who = who
+        self.nonfinite = nonfinite
+        self.skipped_steps = 0  # steps skipped for non-finite gradients (nonfinite="skip")
 
     # Loading keeps fp32 state fp32: torch's Optimizer.load_state_dict would cast it to each
     # parameter's dtype, rounding the master copy of a bf16 model to bf16.
@@ -140,15 +145,32 @@ class _AdamBase(torch.optim.Optimizer):
             state["master"] = p.detach().to(device=device, dtype=torch.float32).clone()
         return state
 
-    def _prepare(self, closure: Optional[Callable[[], Any]], grad_scale: float) -> Tuple[Any, List[Tuple[Any, ...]]]:
-        """Run the closure; advance the step of every parameter with a gradient; return the work."""
+    def _prepare(self, closure: Optional[Callable[[], Any]], grad_scale: float,
+                 assume_finite: bool) -> Tuple[Any, Optional[List[Tuple[Any, ...]]]]:
+        """Run the closure; check the gradients (see [Note: non-finite gradients]); advance the step of
+        every parameter with a gradient and return the work, or ``None`` for a step skipped."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not assume_finite and not self._finite([p for g in self.param_groups for p in g["params"]]):
+            return loss, None
         work = [self._advance(p, group, grad_scale) for group in self.param_groups for p in group["params"]
                 if p.grad is not None and p.numel() > 0]
         return loss, work
+
+    def _finite(self, params: List[torch.Tensor]) -> bool:
+        """Whether to step: gradients finite on every rank; else raise, or count a skipped step."""
+        if self.nonfinite == "unchecked" or not any_nonfinite(params):
+            return True
+        if self.nonfinite == "skip":
+            self.skipped_steps += 1
+            return False
+        raise NonFiniteGradientError(
+            f"{self._who}: gradients hold inf or NaN ({describe_nonfinite(params)}); nothing was "
+            "updated. The loss was probably not finite: lower the learning rate, use a loss scale with fp16, "
+            "or pass nonfinite='skip' to skip such steps"
+        )
 
     def _advance(self, p: torch.Tensor, group: Dict[str, Any],
                  grad_scale: float) -> Tuple[torch.Tensor, Dict[str, Any], Dict[str, Any]]:
@@ -191,6 +213,10 @@ class AdamOptimizer(_AdamBase):
         hold_steps: the first ``hold_steps`` steps update the moments but not the parameters
             (learning rate 0), as BMTrain's argument does; what is left of it is saved with the
             optimizer's state.
+        nonfinite: what a step does when a gradient holds an inf or a NaN on any rank (see
+            [Note: non-finite gradients] in ``bmtwrap/optim/nonfinite.py``): ``"raise"``
+            (default) :class:`~bmtwrap.optim.NonFiniteGradientError`, ``"skip"`` the step
+            (counted in ``skipped_steps``), or ``"unchecked"``.
 
     Raises:
         ValueError: bad hyper-parameters; parameters on several devices or on meta; parameters
@@ -204,13 +230,26 @@ class AdamOptimizer(_AdamBase):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, decoupled: bool = True,
-                 master_dtype: torch.dtype = torch.float32, hold_steps: int = 0) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, decoupled, master_dtype, "AdamOptimizer", hold_steps)
+                 master_dtype: torch.dtype = torch.float32, hold_steps: int = 0, nonfinite: str = "raise") -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, decoupled, master_dtype, "AdamOptimizer", hold_steps,
+                         nonfinite)
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scale: float = 1.0) -> Any:
-        """One update; gradients are multiplied by ``grad_scale`` as they are read."""
-        loss, work = self._prepare(closure, grad_scale)
+    def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scale: float = 1.0,
+             assume_finite: bool = False) -> Any:
+        """One update; gradients are multiplied by ``grad_scale`` as they are read.
+
+        Args:
+            closure: re-evaluates the model and returns the loss, as for any torch optimizer.
+            grad_scale: gradients are multiplied by it as they are read.
+            assume_finite: skip the check for non-finite gradients (the caller made it).
+
+        Raises:
+            NonFiniteGradientError: a gradient holds an inf or a NaN (``nonfinite="raise"``).
+        """
+        loss, work = self._prepare(closure, grad_scale, assume_finite)
+        if work is None:
+            return loss
         for p, state, hyper in work:
             _update_in_place(p, state, hyper)
         self._end_step()
@@ -260,6 +299,11 @@ class AdamOffloadOptimizer(_AdamBase):
             the last of a step's backward and the first its next forward waits for. Parameters
             offloaded by ``wrap(offload_params=True)`` are always updated on the CPU.
         hold_steps: as :class:`AdamOptimizer`.
+        nonfinite: as :class:`AdamOptimizer`. With ``step_in_backward=True`` a block is updated
+            before the rest of the gradient exists: its gradient is checked on the GPU as it is
+            handed over, and ``step()`` raises afterwards if any was not finite (the weights are
+            then damaged: reload the last checkpoint); ``"skip"`` needs ``step_in_backward=False``,
+            and blocks offloaded by ``wrap(offload_params=True)`` are not checked in that mode.
 
     Raises:
         ValueError, TypeError: as :class:`AdamOptimizer`; ``step_in_backward`` without a
@@ -279,11 +323,18 @@ class AdamOffloadOptimizer(_AdamBase):
                  eps: float = 1e-8, weight_decay: float = 0.0, *, decoupled: bool = True,
                  master_dtype: torch.dtype = torch.float32, step_in_backward: bool = False,
                  chunk_numel: int = DEFAULT_CHUNK_NUMEL, staging_slots: int = DEFAULT_SLOTS,
-                 cpu_threads: Optional[int] = None, offload_fraction: float = 1.0, hold_steps: int = 0) -> None:
+                 cpu_threads: Optional[int] = None, offload_fraction: float = 1.0, hold_steps: int = 0,
+                 nonfinite: str = "raise") -> None:
         if not 0.0 <= offload_fraction <= 1.0:
             raise ValueError(f"AdamOffloadOptimizer: offload_fraction must be in [0, 1], got {offload_fraction!r}")
+        if step_in_backward and nonfinite == "skip":
+            raise ValueError("AdamOffloadOptimizer(step_in_backward=True) updates each block during backward, before "
+                             "the whole gradient is known, so it cannot skip a step; use step_in_backward=False with "
+                             "nonfinite='skip'")
         super().__init__(params, lr, betas, eps, weight_decay, decoupled, master_dtype, "AdamOffloadOptimizer",
-                         hold_steps)
+                         hold_steps, nonfinite)
+        # Set during backward when a block updated then held a non-finite gradient (step_in_backward).
+        self._backward_flags: Dict[torch.device, torch.Tensor] = {}
         all_params = [p for g in self.param_groups for p in g["params"]]
         registry = engine().registry if is_initialized() else None
         device = all_params[0].device
@@ -401,12 +452,36 @@ class AdamOffloadOptimizer(_AdamBase):
             if group is None or p.grad is None or p.numel() == 0:
                 continue
             work.append(self._advance(p, group, 1.0))
+        if self.nonfinite != "unchecked" and not buffer.offloaded:
+            for p, _, _ in work:  # queued behind this stream's work: no synchronisation (see step())
+                flag = self._backward_flags.setdefault(p.grad.device,
+                                                       torch.zeros(1, dtype=torch.uint8, device=p.grad.device))
+                ops.has_inf_nan_into(p.grad.detach(), flag)
         self._queue(work, buffer.grad_stream)  # an offloaded buffer's gradient is still on its way to the host
         for p, _, _ in work:
             p.grad = None  # handed over: the queue holds it until the update is done
 
+    def _check_backward_updates(self) -> None:
+        """Raise if a block updated during this backward had a non-finite gradient on any rank."""
+        flags, self._backward_flags = self._backward_flags, {}
+        flag = torch.zeros(1, dtype=torch.uint8)
+        for other in flags.values():
+            flag = torch.maximum(flag, other.cpu())
+        if is_initialized() and engine().ctx.world_size > 1:
+            ctx = engine().ctx
+            flag = flag.to(ctx.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=ctx.group)
+        if bool(flag.item()):
+            raise NonFiniteGradientError(
+                "AdamOffloadOptimizer(step_in_backward=True): blocks were updated during backward with gradients "
+                "holding inf or NaN, so their weights are damaged; reload the last checkpoint. The loss was "
+                "probably not finite: lower the learning rate, or use step_in_backward=False, which checks every "
+                "gradient before updating anything"
+            )
+
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scale: float = 1.0) -> Any:
+    def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scale: float = 1.0,
+             assume_finite: bool = False) -> Any:
         """Queue the update of every parameter that has a gradient, and return without waiting for it.
 
         Without ``step_in_backward`` it first waits for the previous step's updates; with it, the
@@ -417,12 +492,14 @@ class AdamOffloadOptimizer(_AdamBase):
         Args:
             closure: re-evaluates the model and returns the loss, as for any torch optimizer.
             grad_scale: gradients are multiplied by it as they are read.
+            assume_finite: skip the check for non-finite gradients (the caller made it).
 
         Returns:
             The closure's loss, or ``None``.
 
         Raises:
             ValueError: ``grad_scale`` other than 1 with ``step_in_backward=True``.
+            NonFiniteGradientError: a gradient holds an inf or a NaN (``nonfinite="raise"``).
         """
         if self.step_in_backward and grad_scale != 1.0:
             raise ValueError("AdamOffloadOptimizer(step_in_backward=True) updated the blocks during backward "
@@ -430,7 +507,11 @@ class AdamOffloadOptimizer(_AdamBase):
                              "scaling or clipping) afterwards: use step_in_backward=False for that")
         if not self.step_in_backward:
             self.wait()
-        loss, work = self._prepare(closure, grad_scale)
+        elif self.nonfinite != "unchecked":
+            self._check_backward_updates()
+        loss, work = self._prepare(closure, grad_scale, assume_finite)
+        if work is None:
+            return loss
         self._offload.prioritise()
         self._queue(work)
         self._end_step()

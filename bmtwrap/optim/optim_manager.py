@@ -9,8 +9,8 @@ from typing import Any, Dict, Iterable, List, Optional, Protocol
 import torch
 import torch.distributed as dist
 
-from .. import ops
 from ..schedule import engine
+from .nonfinite import NonFiniteGradientError, any_nonfinite, check_choice, describe_nonfinite
 
 __all__ = ["OptimManager", "ScaledStep", "grad_norm"]
 
@@ -56,6 +56,10 @@ class OptimManager:
             ``None`` (default) means the number of ranks, i.e. the mean over ranks, which is what
             bmtwrap's reduction computes. Another value ``g`` multiplies the gradients by
             ``world_size / g``.
+        nonfinite: without a loss scale, what ``step()`` does when a gradient holds an inf or a
+            NaN on any rank: ``"raise"`` (default) :class:`~bmtwrap.optim.NonFiniteGradientError`,
+            ``"skip"`` the step (gradients zeroed, ``step()`` returns ``False``), or
+            ``"unchecked"``. With a loss scale an overflow always lowers the scale and skips.
 
     Raises:
         ValueError: a non-positive scale or ``grad_scale``, a factor of 1, bounds out of order.
@@ -73,7 +77,8 @@ class OptimManager:
 
     def __init__(self, loss_scale: Optional[float] = None, loss_scale_factor: float = 2,
                  loss_scale_steps: int = 1024, min_loss_scale: float = 1, max_loss_scale: float = float("inf"),
-                 grad_scale: Optional[float] = None) -> None:
+                 grad_scale: Optional[float] = None, nonfinite: str = "raise") -> None:
+        check_choice(nonfinite, "OptimManager")
         if loss_scale is not None and not loss_scale > 0:
             raise ValueError(f"loss_scale must be > 0 or None, got {loss_scale!r}")
         if grad_scale is not None and not grad_scale > 0:
@@ -92,6 +97,7 @@ class OptimManager:
         self.optimizers: List[torch.optim.Optimizer] = []
         self.lr_schedulers: List[Optional[Any]] = []
         self.grad_scale = grad_scale
+        self.nonfinite = nonfinite
         self._clip = 1.0  # the clipping coefficient clip_grad_norm chose for the coming step
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer, lr_scheduler: Optional[Any] = None) -> None:
@@ -130,23 +136,24 @@ class OptimManager:
             optimizer.zero_grad()
 
     @staticmethod
-    def _fuses_scale(optimizer: torch.optim.Optimizer) -> bool:
-        return "grad_scale" in inspect.signature(optimizer.step).parameters
+    def _step_keywords(optimizer: torch.optim.Optimizer) -> List[str]:
+        """Which of bmtwrap's step keywords (``grad_scale``, ``assume_finite``) the optimizer takes."""
+        names = inspect.signature(optimizer.step).parameters
+        return [name for name in ("grad_scale", "assume_finite") if name in names]
 
-    def _overflow(self) -> bool:
-        ctx = engine().ctx
-        flags = {ctx.device: torch.zeros(1, dtype=torch.uint8, device=ctx.device)}
-        for p in self._params():
-            if p.grad is not None and p.grad.numel() > 0:
-                # Gradients of parameters offloaded to the CPU are checked there.
-                grad = p.grad.detach().contiguous()
-                flag = flags.setdefault(grad.device, torch.zeros(1, dtype=torch.uint8, device=grad.device))
-                ops.has_inf_nan_into(grad, flag)
-        flag = flags.pop(ctx.device)
-        for other in flags.values():
-            flag = torch.maximum(flag, other.to(ctx.device))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.group)
-        return bool(flag.item())
+    def _skip_nonfinite(self) -> bool:
+        """Without a loss scale: whether a non-finite gradient skips this step (it raises with "raise")."""
+        if self.nonfinite == "unchecked" or any(getattr(o, "step_in_backward", False) for o in self.optimizers):
+            return False  # optimizers stepping in backward check their own gradients
+        if not any_nonfinite(self._params()):
+            return False
+        if self.nonfinite == "raise":
+            raise NonFiniteGradientError(
+                f"OptimManager: gradients hold inf or NaN ({describe_nonfinite(self._params())}); nothing was updated. The "
+                "loss was probably not finite: lower the learning rate, use a loss scale with fp16, or pass "
+                "OptimManager(nonfinite='skip') to skip such steps"
+            )
+        return True
 
     @torch.no_grad()
     def clip_grad_norm(self, param_groups: Iterable[Dict[str, Any]], max_norm: float, norm_type: float = 2,
@@ -173,15 +180,21 @@ class OptimManager:
             ``True`` if the optimizers stepped, ``False`` if an overflow skipped the step (the
             scale then shrinks and the gradients are zeroed).
         """
-        if self.loss_scale_enabled and self._overflow():
+        if self.loss_scale_enabled and any_nonfinite(self._params()):
             self._set_scale(max(self.loss_scale / self.loss_scale_factor, self.min_loss_scale))
+            self.zero_grad()
+            self._clip = 1.0
+            return False
+        if not self.loss_scale_enabled and self._skip_nonfinite():
             self.zero_grad()
             self._clip = 1.0
             return False
         factor = self._unscale() * self._clip
         for optimizer, scheduler in zip(self.optimizers, self.lr_schedulers):
-            if self._fuses_scale(optimizer):
-                optimizer.step(grad_scale=factor)
+            keywords = self._step_keywords(optimizer)
+            if "grad_scale" in keywords:
+                # The manager checked every gradient already (see nonfinite.py).
+                optimizer.step(grad_scale=factor, **({"assume_finite": True} if "assume_finite" in keywords else {}))
             else:
                 if factor != 1.0:
                     with torch.no_grad():

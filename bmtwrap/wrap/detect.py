@@ -9,6 +9,10 @@ Rules, in order:
    differ in parameter shapes (T5's first block, dense-then-MoE stacks): each is its own block.
 3. Nothing repeated: the model is cut by size, so that a large one still shards in pieces.
 Nested candidates resolve to the outermost one (a decoder layer, not the experts inside it).
+A block is a module that is called: containers without a forward of their own (``nn.ModuleList``,
+``nn.ModuleDict``) are never chosen; their children are. A module that is chosen but then only
+iterated, or whose parameters other code reads, still works: see [Note: parameters used outside
+their block] in ``bmtwrap/on_demand.py``.
 """
 
 from __future__ import annotations
@@ -17,13 +21,18 @@ from typing import Callable, List, Optional, Sequence, Set, Tuple, Type, Union
 
 from torch import nn
 
-__all__ = ["LayerPolicy", "find_blocks"]
+__all__ = ["LayerPolicy", "callable_module", "find_blocks"]
 
 LayerPolicy = Union[Sequence[Union[str, Type[nn.Module]]], Callable[[str, nn.Module], bool]]
 
 # A model cut by size aims at this many blocks: enough that one gathered block is a small part of
 # the model, few enough that each collective is large.
 SIZE_GROUPS = 8
+
+
+def callable_module(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs a forward of its own (``nn.ModuleList``/``ModuleDict`` have none)."""
+    return type(module).forward is not nn.Module.forward
 
 
 def _param_count(module: nn.Module) -> int:
@@ -59,7 +68,7 @@ def _repeated_children(model: nn.Module) -> List[Tuple[str, nn.Module]]:
         if not isinstance(container, (nn.ModuleList, nn.Sequential)):
             continue
         children = [(f"{name}.{k}" if name else k, c) for k, c in container.named_children()]
-        with_params = [(n, c) for n, c in children if _param_count(c) > 0]
+        with_params = [(n, c) for n, c in children if _param_count(c) > 0 and callable_module(c)]
         classes = [type(c) for _, c in with_params]
         repeated = {cls for cls in classes if classes.count(cls) >= 2}
         found.extend((n, c) for n, c in with_params if type(c) in repeated)
@@ -76,7 +85,8 @@ def _by_size(model: nn.Module, target: int) -> List[Tuple[str, nn.Module]]:
             size = _param_count(child)
             if size == 0:
                 continue
-            if size <= target or not any(_param_count(g) for g in child.children()):
+            leaf = not any(_param_count(g) for g in child.children())
+            if (size <= target and callable_module(child)) or leaf:
                 chosen.append((qualified, child))
             else:
                 visit(qualified, child)
@@ -101,6 +111,16 @@ def _resolve_classes(model: nn.Module, classes: Sequence[Union[str, Type[nn.Modu
     return wanted
 
 
+def _callable_only(named: List[Tuple[str, nn.Module]]) -> List[Tuple[str, nn.Module]]:
+    for name, module in named:
+        if not callable_module(module):
+            raise ValueError(
+                f"layers chose '{name}' ({type(module).__name__}), which has no forward of its own: a block must be a "
+                "module that is called; choose the layers inside it (their class, or a policy that picks them)"
+            )
+    return named
+
+
 def find_blocks(model: nn.Module, policy: Optional[LayerPolicy] = None) -> Tuple[List[Tuple[str, nn.Module]], str]:
     """The modules to make blocks of, in module order, and which rule chose them.
 
@@ -110,14 +130,14 @@ def find_blocks(model: nn.Module, policy: Optional[LayerPolicy] = None) -> Tuple
     """
     named = [(n, m) for n, m in model.named_modules() if n]
     if callable(policy) and not isinstance(policy, type):
-        return _outermost([(n, m) for n, m in named if policy(n, m)]), "policy"
+        return _callable_only(_outermost([(n, m) for n, m in named if policy(n, m)])), "policy"
     if policy is not None:
         if isinstance(policy, (str, type)):
             policy = [policy]
         if not isinstance(policy, Sequence):
             raise TypeError(f"layers must be a list of classes or class names, or a callable; got {type(policy).__name__}")
         wanted = _resolve_classes(model, policy)
-        return _outermost([(n, m) for n, m in named if type(m).__name__ in wanted]), "classes"
+        return _callable_only(_outermost([(n, m) for n, m in named if type(m).__name__ in wanted])), "classes"
 
     hinted = _hf_layer_classes(model)
     picked = [(n, m) for n, m in named

@@ -1,0 +1,118 @@
+"""Gathering a block's parameters on demand, when code outside the block uses them during a forward.
+
+[Note: parameters used outside their block]
+A block's parameters are full only while the block runs. Models do not always keep to that:
+a model may call a layer's sub-module itself (``self.layers[0].mlp(x)``), multiply by another
+layer's weight (``h * self.layers[-1].norm.weight``), or iterate a container whose layers it
+calls one by one. Outside its block such a parameter is this rank's 1-D piece, and torch would
+fail deep inside (``weight of shape [0]``) or, worse, broadcast it silently.
+
+So while a model's forward runs (from its outermost root's entry to its exit) the engine holds an
+:class:`OnDemandGathers` torch-function mode. Every torch function and tensor method that
+receives a sharded parameter of a block, outside that block's run, gets the parameter's full
+view instead: the block's group is gathered (once per forward, like the root group: see [Note:
+the root group] in runners.py), its views come from the group's ``unshard()`` so that gradients
+flow back to its reduce-scatter, and the group is *lent*: pinned gathered until the backward
+ends (or the forward ends, without autograd), counted as one more forward expecting gradients.
+Inside a block's own run, its parameters are already full views and never reach the mode's work.
+
+Cost: one Python call per torch operation of the forward, checking its arguments (and one
+level of lists) for ``nn.Parameter`` objects the registry knows: about a microsecond against
+the tens of microseconds an operation on real sizes takes; nothing in backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .group import ParamGroup, ParamRegistry
+
+__all__ = ["OnDemandGathers"]
+
+# Told of a group gathered on demand in this forward, before its views are made: pins it and
+# counts the use (BlockRunner.lend). None for a group no block runs: it cannot be lent.
+Lender = Callable[[ParamGroup], bool]
+
+
+class OnDemandGathers(TorchFunctionMode):
+    """The torch-function mode of one forward (see [Note: parameters used outside their block]).
+
+    Args:
+        registry: where sharded parameters are looked up.
+        group_of: the group holding a sharded parameter's flat buffer.
+        lend: pins a group for this forward and its backward; returns ``False`` for a group that
+            cannot be lent (not a block's), which then raises.
+    """
+
+    def __init__(self, registry: ParamRegistry, group_of: Callable[[Any], Optional[ParamGroup]], lend: Lender) -> None:
+        super().__init__()
+        self._registry = registry
+        self._group_of = group_of
+        self._lend = lend
+        self._views: Dict[int, torch.Tensor] = {}  # id(sharded parameter) -> its full view in this forward
+        self.lent: List[ParamGroup] = []
+        # > 0 while the engine's own code runs (it handles sharded parameters as pieces, on purpose).
+        self.paused = 0
+
+    @contextlib.contextmanager
+    def pausing(self, paused: bool) -> Iterator[None]:
+        """Pause the mode (engine code) or watch again (the model's code) inside the ``with``."""
+        saved = self.paused
+        self.paused = saved + 1 if paused else 0
+        try:
+            yield
+        finally:
+            self.paused = saved
+
+    def __torch_function__(self, func: Any, types: Any, args: Tuple[Any, ...] = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        kwargs = kwargs or {}
+        if not self.paused and (self._sharded_in(args) or self._sharded_in(kwargs.values())):
+            args = tuple(self._full(a) for a in args)
+            kwargs = {k: self._full(v) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+    def _sharded_in(self, values: Any) -> bool:
+        lookup = self._registry.lookup
+        for value in values:
+            if isinstance(value, nn.Parameter):
+                if lookup(value) is not None:
+                    return True
+            elif isinstance(value, (list, tuple)):
+                if any(isinstance(v, nn.Parameter) and lookup(v) is not None for v in value):
+                    return True
+        return False
+
+    def _full(self, value: Any) -> Any:
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._full(v) for v in value)
+        if not isinstance(value, nn.Parameter) or self._registry.lookup(value) is None:
+            return value
+        view = self._views.get(id(value))
+        if view is None:
+            self._gather_for(value)
+            view = self._views[id(value)]
+        return view
+
+    def _gather_for(self, param: nn.Parameter) -> None:
+        found = self._registry.lookup(param)
+        assert found is not None
+        group = self._group_of(found[0])
+        if group is None or not self._lend(group):
+            raise RuntimeError(
+                f"a parameter of {found[0].label} ('{found[0].slots[found[1]].name}') is used outside the module that "
+                "gathers it, and bmtwrap cannot gather it there; pass this module to bmtwrap.wrap(layers=...) "
+                "so that it becomes a block of its own, or keep the parameter out of the blocks"
+            )
+        self.lent.append(group)
+        self.paused += 1
+        try:
+            views = group.unshard()
+        finally:
+            self.paused -= 1
+        for slot, view in zip(group.slots, views):
+            self._views[id(slot.param)] = view

@@ -1,0 +1,86 @@
+"""Non-finite gradients: found before a step, agreed on by every rank, never written into the weights.
+
+[Note: non-finite gradients]
+A loss that overflows (bf16, fp16 without a loss scale) or turns NaN gives non-finite gradients,
+and one Adam step with them turns the weights to NaN for good. So a step first asks whether any
+gradient it will read holds an inf or a NaN: one flag per device set by the ``has_inf_nan`` kernel
+over every gradient, one all-reduce (MAX) so that every rank decides the same (a NaN may sit in
+one rank's shard only), one host synchronisation. Then, by the ``nonfinite`` option:
+
+- ``"raise"`` (default): :class:`NonFiniteGradientError`, naming parameters whose gradient is not
+  finite; nothing is updated, the step count does not advance.
+- ``"skip"``: the step is skipped (parameters, moments and step count unchanged) and counted.
+- ``"unchecked"``: no check (a step's worth of time, for whoever checks elsewhere).
+
+:class:`~bmtwrap.optim.OptimManager` checks once for all its optimizers (with a loss scale, an
+overflow lowers the scale and skips the step instead) and tells them not to check again.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List
+
+import torch
+import torch.distributed as dist
+
+from .. import ops
+from ..dist import is_initialized
+from ..group import ROOT_LABEL
+from ..schedule import engine
+
+__all__ = ["NONFINITE_CHOICES", "NonFiniteGradientError", "any_nonfinite", "check_choice", "describe_nonfinite"]
+
+NONFINITE_CHOICES = ("raise", "skip", "unchecked")
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A step found an inf or a NaN in the gradients it was to apply; nothing was updated."""
+
+
+def check_choice(nonfinite: str, who: str) -> None:
+    """Refuse an unknown ``nonfinite`` option."""
+    if nonfinite not in NONFINITE_CHOICES:
+        raise ValueError(f"{who}: nonfinite must be one of {', '.join(map(repr, NONFINITE_CHOICES))}, got {nonfinite!r}")
+
+
+def _grads(params: Iterable[torch.Tensor]) -> List[torch.Tensor]:
+    return [p.grad for p in params if p.grad is not None and p.grad.numel() > 0]
+
+
+def any_nonfinite(params: Iterable[torch.Tensor]) -> bool:
+    """Whether any rank's gradient of ``params`` holds an inf or a NaN (a collective once distributed).
+
+    Every rank must call it with the parameters of the same optimizers; a rank without gradients
+    still takes part in the agreement.
+    """
+    grads = _grads(params)
+    device = engine().ctx.device if is_initialized() else (grads[0].device if grads else torch.device("cpu"))
+    flags: Dict[torch.device, torch.Tensor] = {device: torch.zeros(1, dtype=torch.uint8, device=device)}
+    for grad in grads:
+        # Gradients of parameters offloaded to the CPU are checked there.
+        flag = flags.setdefault(grad.device, torch.zeros(1, dtype=torch.uint8, device=grad.device))
+        ops.has_inf_nan_into(grad.detach().contiguous(), flag)
+    flag = flags.pop(device)
+    for other in flags.values():
+        flag = torch.maximum(flag, other.to(device))
+    if is_initialized() and engine().ctx.world_size > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=engine().ctx.group)
+    return bool(flag.item())
+
+
+def _name(index: int, param: torch.Tensor) -> str:
+    found = engine().registry.lookup(param) if is_initialized() else None
+    if found is None:
+        return f"parameter {index}"
+    buffer, slot = found[0], found[0].slots[found[1]]
+    # A block's label is its place in the model (wrap) or its name (Block): with the slot, the full key.
+    return f"'{slot.name}'" if buffer.label.startswith(ROOT_LABEL) else f"'{buffer.label}.{slot.name}'"
+
+
+def describe_nonfinite(params: Iterable[torch.Tensor], limit: int = 5) -> str:
+    """Which of this rank's parameters have a non-finite gradient, for an error message (a slow path)."""
+    bad = [_name(i, p) for i, p in enumerate(params) if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+    if not bad:
+        return "another rank's gradients"
+    shown = ", ".join(bad[:limit])
+    return f"{shown}{f' and {len(bad) - limit} more' if len(bad) > limit else ''}"
