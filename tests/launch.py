@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -46,17 +46,25 @@ class _PortTaken(Exception):
     pass
 
 
+def launch(script: str, world_size: int, out: Path, args: tuple, timeout: int,
+           runner: Optional[str] = None, wrapper: Sequence[str] = ()) -> subprocess.CompletedProcess:
+    """Run ``tests/dist_cases/<script> OUT ARGS...`` under torchrun on ``world_size`` processes (the whole
+    command after ``wrapper``, e.g. ``unshare ...``); return the finished launcher's process (its exit
+    status and output), whatever it is."""
+    cmd = [*wrapper, 
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}",
+        "--master_addr=127.0.0.1", f"--master_port={_free_port()}", *(["-m", runner] if runner else []),
+        str(TESTS / "dist_cases" / script), str(out), *args,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def _run_once(script: str, world_size: int, args: tuple, timeout: int, runner: Optional[str]) -> Dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}",
-            "--master_addr=127.0.0.1", f"--master_port={_free_port()}", *(["-m", runner] if runner else []),
-            str(TESTS / "dist_cases" / script), str(out), *args,
-        ]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                   PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")]))
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = launch(script, world_size, out, args, timeout, runner)
         if proc.returncode != 0 and "address already in use" in (proc.stdout + proc.stderr).lower():
             raise _PortTaken()
         if proc.returncode != 0 or not out.exists():

@@ -1,0 +1,250 @@
+"""The table of bad inputs in docs/errors.md, one test per row (world size 1, one process).
+
+Each row of ``ROWS`` makes the mistake and checks what the user sees: the exception type and the
+words of its message that name the problem and the fix. Rows whose mistake needs several ranks or
+a killed process point to the test that makes it (``covered_by``). ``test_table_matches_the_docs``
+keeps docs/errors.md and this list the same, row by row.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable, NamedTuple, Optional
+
+import pytest
+import torch
+from torch import nn
+
+import bmtwrap as bmt
+import bmtwrap.dist
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Row(NamedTuple):
+    id: str
+    error: type
+    match: str  # a regular expression the message must contain
+    make: Optional[Callable[[Path], Any]] = None  # makes the mistake (given a scratch folder)
+    covered_by: Optional[str] = None  # "tests/<file>.py::<test>" when another test makes it
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one():
+    made_here = not bmtwrap.dist.is_initialized()
+    bmt.init_distributed(seed=0)
+    yield
+    if made_here:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        bmtwrap.dist._CONTEXT = None
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+
+
+def wrapped() -> nn.Module:
+    return bmt.wrap(mlp())
+
+
+def saved(folder: Path, name: str = "model.safetensors") -> Path:
+    path = folder / name
+    bmt.save(wrapped(), path)
+    return path
+
+
+def truncated(folder: Path) -> None:
+    path = saved(folder)
+    path.write_bytes(path.read_bytes()[:-40])
+    bmt.load(wrapped(), path)
+
+
+def wrong_keys(folder: Path) -> None:
+    path = folder / "other.pt"
+    torch.save({"weight": torch.zeros(3)}, path)
+    bmt.load(wrapped(), path)
+
+
+def wrong_shape(folder: Path) -> None:
+    state = mlp().state_dict()
+    state["0.weight"] = torch.zeros(3, 3)
+    path = folder / "shape.pt"
+    torch.save(state, path)
+    bmt.load(wrapped(), path)
+
+
+def optimizer_of_another_model(folder: Path) -> None:
+    other = bmt.optim.AdamOptimizer(bmt.wrap(nn.Linear(3, 3)).parameters())
+    optimizer = bmt.optim.AdamOptimizer(wrapped().parameters())
+    optimizer.load_state_dict(other.state_dict())
+
+
+def nan_step(folder: Path) -> None:
+    model = wrapped()
+    optimizer = bmt.optim.AdamOptimizer(model.parameters())
+    (model(torch.ones(2, 4)).sum() * float("nan")).backward()
+    optimizer.step()
+
+
+def unwrapped_copy_optimizer(folder: Path) -> None:
+    wrapped()
+    bmt.optim.AdamOptimizer(mlp().parameters())
+
+
+def mixed_devices(folder: Path) -> None:
+    layer = nn.Linear(2, 2)
+    layer.bias = nn.Parameter(torch.zeros(2, device="meta"))
+    bmt.wrap(layer)
+
+
+def meta_model_run(folder: Path) -> None:
+    with torch.device("meta"):
+        model = nn.Linear(4, 4)
+    bmt.wrap(model)(torch.ones(1, 4))
+
+
+def cast_after_wrap(folder: Path) -> None:
+    model = wrapped()
+    model.double()
+    model(torch.ones(1, 4, dtype=torch.float64))
+
+
+def cli(*args: str) -> Callable[[Path], None]:
+    def run(folder: Path) -> None:
+        done = subprocess.run([sys.executable, "-m", "bmtwrap", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
+        if done.returncode != 0:
+            raise SystemExit(done.stderr)
+    return run
+
+
+ROWS = [
+    # init_distributed
+    Row("init-zero-level", ValueError, r"zero_level must be 2 or 3, got 1", covered_by="tests/test_errors.py::test_init_distributed_rejects_zero_level_1"),
+    Row("init-pipeline", NotImplementedError, r"pipeline and tensor parallelism are not supported",
+        lambda f: bmt.init_distributed(pipe_size=2)),
+    Row("init-tensor-parallel", NotImplementedError, r"pipeline and tensor parallelism are not supported",
+        lambda f: bmt.init_distributed(tp_size=2)),
+    # wrap and plan
+    Row("wrap-not-a-module", TypeError, r"wrap expects an nn.Module, got int", lambda f: bmt.wrap(3)),
+    Row("wrap-checkpoint-sometimes", ValueError, r"checkpoint must be True, False or 'auto', got 'sometimes'",
+        lambda f: bmt.wrap(mlp(), checkpoint="sometimes")),
+    Row("wrap-zero-level", ValueError, r"zero_level must be 2 or 3, got 4", lambda f: bmt.wrap(mlp(), zero_level=4)),
+    Row("wrap-memory-budget", ValueError, r"memory_budget must be a positive number of bytes, got 0",
+        lambda f: bmt.wrap(mlp(), memory_budget=0)),
+    Row("wrap-unknown-layer-class", ValueError, r"layer class 'Conv9d' is not in this model",
+        lambda f: bmt.wrap(mlp(), layers=["Conv9d"])),
+    Row("wrap-container-as-layer", ValueError, r"has no forward of its own: a block must be a module that is called",
+        lambda f: bmt.wrap(nn.Sequential(nn.ModuleList([nn.Linear(2, 2)])), layers=[nn.ModuleList])),
+    Row("wrap-mixed-devices", ValueError, r"mixes devices .* move the module to one device", mixed_devices),
+    Row("wrap-again-other-options", ValueError, r"already wrapped with .* wrap it once",
+        lambda f: bmt.wrap(wrapped(), checkpoint=False)),
+    Row("wrap-model-with-blocks", ValueError, r"already contains bmtwrap Blocks",
+        lambda f: bmt.wrap(nn.Sequential(bmt.Block(nn.Linear(2, 2))))),
+    Row("run-meta-model-unloaded", RuntimeError, r"built on the meta device .* bmtwrap.materialize\(model\) or load",
+        meta_model_run),
+    Row("cast-after-wrap", RuntimeError, r"was replaced after sharding .* cast or move the model before sharding",
+        cast_after_wrap),
+    Row("plan-world-size", ValueError, r"world_size must be >= 1, got 0", lambda f: bmt.plan(mlp(), world_size=0)),
+    # Block and TransformerBlockList
+    Row("block-not-a-module", TypeError, r"Block expects an nn.Module, got str", lambda f: bmt.Block("layer")),
+    Row("block-of-a-block", TypeError, r"Block got a Block", lambda f: bmt.Block(bmt.Block(nn.Linear(2, 2)))),
+    Row("block-mode", ValueError, r"mode must be 'BLOCK' or 'PIPE', got 'pipe'",
+        lambda f: bmt.Block(nn.Linear(2, 2), mode="pipe")),
+    Row("block-module-twice", ValueError, r"already belongs to another block",
+        lambda f: [bmt.Block(m) for m in [nn.Linear(2, 2)] * 2]),
+    Row("block-list-same-block-twice", bmt.BlockSharingError, r"is given twice .* list the plain module twice",
+        lambda f: bmt.TransformerBlockList([bmt.Block(nn.Linear(2, 2))] * 2)),
+    Row("block-list-num-hidden", ValueError, r"num_hidden must be >= 1, got 0",
+        lambda f: bmt.TransformerBlockList([nn.Linear(2, 2)], num_hidden=0)),
+    # optimizers
+    Row("adam-negative-lr", ValueError, r"lr, eps and weight_decay must be >= 0",
+        lambda f: bmt.optim.AdamOptimizer(wrapped().parameters(), lr=-1.0)),
+    Row("adam-betas", ValueError, r"betas must be in \[0, 1\), got \(0.9, 1.5\)",
+        lambda f: bmt.optim.AdamOptimizer(wrapped().parameters(), betas=(0.9, 1.5))),
+    Row("adam-master-dtype", TypeError, r"the master copy must be fp32",
+        lambda f: bmt.optim.AdamOptimizer(wrapped().parameters(), master_dtype=torch.float16)),
+    Row("adam-unwrapped-copy", ValueError, r"none of the 4 parameters is sharded by bmtwrap, .* after bmtwrap.wrap",
+        unwrapped_copy_optimizer),
+    Row("adam-state-of-another-model", ValueError, r"the state is for 2 parameters, this optimizer has 4",
+        optimizer_of_another_model),
+    Row("adam-nan-gradient", bmt.optim.NonFiniteGradientError, r"gradients hold inf or NaN .* nothing was updated",
+        nan_step),
+    Row("adam-nonfinite-option", ValueError, r"nonfinite must be one of 'raise', 'skip', 'unchecked'",
+        lambda f: bmt.optim.AdamOptimizer(wrapped().parameters(), nonfinite="warn")),
+    Row("manager-grad-scale", ValueError, r"grad_scale must be > 0 or None", lambda f: bmt.optim.OptimManager(grad_scale=-1)),
+    Row("manager-loss-scale-in-backward", ValueError, r"steps in backward .* use OptimManager\(loss_scale=None\)",
+        lambda f: bmt.optim.OptimManager(loss_scale=1024).add_optimizer(
+            bmt.optim.AdamOffloadOptimizer(wrapped().parameters(), step_in_backward=True))),
+    # kernels
+    Row("kernel-wrong-dtype", TypeError, r"must be a floating-point tensor|dtype",
+        lambda f: bmt.ops.has_inf_nan(torch.zeros(3, dtype=torch.int32))),
+    # save / load
+    Row("load-missing-file", FileNotFoundError, r"missing.pt does not exist; check the path",
+        lambda f: bmt.load(wrapped(), f / "missing.pt")),
+    Row("load-a-folder", ValueError, r"is a folder", lambda f: bmt.load(wrapped(), f)),
+    Row("load-truncated-file", ValueError, r"truncated", truncated),
+    Row("load-unexpected-keys", ValueError, r"nothing was changed \(pass strict=False .*\n  missing keys \(4\)",
+        wrong_keys),
+    Row("load-shape-mismatch", ValueError, r"shape", wrong_shape),
+    Row("load-bit-flipped-file", ValueError, r"is corrupt: bytes \[\d+, \d+\) of .* have CRC-32",
+        covered_by="tests/test_checkpoint_integrity.py::test_a_flipped_bit_is_named_on_every_rank_and_changes_nothing"),
+    Row("save-unwritable-folder", RuntimeError, r"cannot write .* give a path in a folder it can create and write",
+        covered_by="tests/test_checkpoint_full.py::test_unwritable_folder"),
+    Row("save-disk-full", RuntimeError, r"cannot write .* No space left on device",
+        covered_by="tests/test_checkpoint_full.py::test_failed_save_raises_on_every_rank_and_keeps_the_previous_file"),
+    # sharded checkpoints
+    Row("checkpoint-rank-file-missing", FileNotFoundError, r"is incomplete: .* \(rank 2's shard file, named by its index\) is missing",
+        covered_by="tests/test_checkpoint_sharded.py::test_load_errors_name_the_problem_and_change_nothing"),
+    Row("checkpoint-damaged-index", ValueError, r"belongs to another save|the index records",
+        covered_by="tests/test_checkpoint_sharded.py::test_damaged_index"),
+    Row("checkpoint-bit-flipped-shard", ValueError, r"is corrupt: bytes .* index.json records",
+        covered_by="tests/test_checkpoint_integrity.py::test_a_flipped_bit_is_named_on_every_rank_and_changes_nothing"),
+    Row("checkpoint-checksums-of-another-save", ValueError, r"index.json records",
+        covered_by="tests/test_checkpoint_integrity.py::test_checksums_of_another_save_are_named"),
+    Row("checkpoint-optimizer-of-another-model", ValueError, r"the checkpoint holds the state of an optimizer of type",
+        covered_by="tests/test_checkpoint_sharded.py::test_load_errors_name_the_problem_and_change_nothing"),
+    # Hugging Face import and export
+    Row("hf-folder-without-safetensors", FileNotFoundError, r"holds neither model.safetensors nor",
+        covered_by="tests/test_checkpoint_hf.py::test_folder_without_safetensors"),
+    Row("hf-truncated-weights", ValueError, r"is not a readable safetensors file .* download or copy the checkpoint",
+        covered_by="tests/test_checkpoint_integrity.py::test_truncated_hf_weights_are_named"),
+    Row("hf-save-onto-a-file", ValueError, r"save_pretrained writes a folder, but .* is a file",
+        covered_by="tests/test_checkpoint_hf.py::test_save_onto_a_file_is_refused"),
+    # the plan command line
+    Row("cli-missing-model", SystemExit, r"no such file or folder|does not exist|not found",
+        cli("plan", "no/such/folder")),
+    Row("cli-bad-world-size", SystemExit, r"world-size", cli("plan", "no/such/folder", "--world-size", "0")),
+]
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if r.make is not None], ids=lambda r: r.id)
+def test_row(row: Row, tmp_path: Path) -> None:
+    with pytest.raises(row.error, match=row.match):
+        row.make(tmp_path)
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if r.covered_by is not None], ids=lambda r: r.id)
+def test_row_covered_elsewhere(row: Row) -> None:
+    path, name = row.covered_by.split("::")
+    module = importlib.import_module(Path(path).stem)
+    assert callable(getattr(module, name, None)), f"{row.id}: {row.covered_by} does not exist"
+
+
+def test_table_matches_the_docs() -> None:
+    text = (ROOT / "docs" / "errors.md").read_text()
+    documented = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 4 and re.fullmatch(r"`[a-z0-9-]+`", cells[0]):
+            documented[cells[0].strip("`")] = cells[3]
+    assert list(documented) == [r.id for r in ROWS], "docs/errors.md and ROWS list different rows"
+    for row in ROWS:
+        assert row.error.__name__ in documented[row.id], f"{row.id}: the docs name another error than {row.error.__name__}"
+    assert len(ROWS) >= 30
