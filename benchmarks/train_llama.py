@@ -68,11 +68,13 @@ def main() -> None:
     parser.add_argument("--optimizer", default="adam", choices=["adam", "offload", "offload-in-backward", "torch"])
     parser.add_argument("--offload-threads", type=int, default=None,
                         help="CPU threads of the offloaded update (default: the optimizer's)")
-    parser.add_argument("--offload-fraction", type=float, default=1.0,
-                        help="share of the parameters whose optimizer state the offload optimizers keep on the CPU")
+    parser.add_argument("--offload-fraction", default="1.0",
+                        help="share of the parameters whose optimizer state the offload optimizers keep on the CPU, "
+                             "or 'auto' (what does not fit the GPU after the first step)")
     parser.add_argument("--offload-params", action="store_true",
                         help="keep parameter shards in host memory too (wrap(offload_params=True))")
     args = parser.parse_args()
+    fraction = args.offload_fraction if args.offload_fraction == "auto" else float(args.offload_fraction)
 
     ctx = bmt.init_distributed(seed=0, zero_level=args.zero_level)
     config = transformers.LlamaConfig(max_position_embeddings=max(args.seq, 128), attn_implementation="sdpa",
@@ -85,7 +87,7 @@ def main() -> None:
     # What bmtwrap.plan predicts for this run, printed beside the measured peak.
     offloading = args.optimizer.startswith("offload")
     planned = bmt.plan(model, world_size=ctx.world_size, checkpoint=checkpoint, batch_size=args.batch, seq_len=args.seq,
-                       offload_optimizer=offloading, offload_fraction=args.offload_fraction if offloading else 1.0,
+                       offload_optimizer=offloading, offload_fraction=fraction if offloading and fraction != "auto" else 1.0,
                        offload_params=args.offload_params).memory
     model = bmt.wrap(model, checkpoint=checkpoint, offload_params=args.offload_params)
     bmt.materialize(model)
@@ -94,10 +96,10 @@ def main() -> None:
         "adam": lambda: bmt.optim.AdamOptimizer(model.parameters(), lr=1e-4),
         "offload": lambda: bmt.optim.AdamOffloadOptimizer(model.parameters(), lr=1e-4,
                                                           cpu_threads=args.offload_threads,
-                                                          offload_fraction=args.offload_fraction),
+                                                          offload_fraction=fraction),
         "offload-in-backward": lambda: bmt.optim.AdamOffloadOptimizer(
             model.parameters(), lr=1e-4, step_in_backward=True, cpu_threads=args.offload_threads,
-            offload_fraction=args.offload_fraction),
+            offload_fraction=fraction),
         "torch": lambda: torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True),
     }[args.optimizer]()
 
@@ -132,7 +134,8 @@ def main() -> None:
     bmt.print_rank("RESULT " + json.dumps(dict(
         system="bmtwrap", size=args.size, world=ctx.world_size, batch=args.batch, seq=args.seq, params=params,
         activation_checkpointing=args.checkpoint, zero_level=args.zero_level, optimizer=args.optimizer,
-        offload_threads=args.offload_threads, offload_fraction=args.offload_fraction,
+        offload_threads=args.offload_threads,
+        offload_fraction=round(optimizer.offload_fraction, 3) if offloading else args.offload_fraction,
         offload_params=args.offload_params, step_s=round(step, 4), tok_s_gpu=round(tokens / step, 1),
         mfu=round(per_token * tokens / step / PEAK_FLOPS, 4),
         peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), loss=round(loss.item(), 4),

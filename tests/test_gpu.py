@@ -31,7 +31,7 @@ def test_bf16_training_matches_unwrapped_on_two_gpus():
             failures.append(f"{name}: loss {r['loss_max_rel']:.3g}, params {r['param_max_rel_scale']:.3g} "
                             f"({r['param_worst']})")
     for name in ("offload_matches_adam", "offload_in_backward_matches_adam", "offload_params_matches_adam",
-                 "offload_params_in_backward_matches_adam", "offload_half_matches_adam"):
+                 "offload_params_in_backward_matches_adam", "offload_half_matches_adam", "offload_auto_matches_adam"):
         offload = results[name]
         if "error" in offload:
             failures.append(f"{name}: {offload['error']}")
@@ -50,6 +50,17 @@ def test_bf16_training_matches_unwrapped_on_two_gpus():
         failures.append("the full offload kept state on the GPU")
     print({name: {k: v for k, v in r.items() if k != "error"} for name, r in results.items()})
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU")
+def test_automatic_offload_fraction_on_one_gpu():
+    """offload_fraction="auto": after the first step the state that fits (here all of it) is on the GPU, and
+    training is the fused optimizer's (CPU and CUDA kernels round differently in fp32: 1e-5 on masters)."""
+    r = run_cases("parity.py", 1, "cuda-bf16", "offload_auto_matches_adam")["offload_auto_matches_adam"]
+    assert "error" not in r, r.get("error")
+    assert r["gpu_state_fraction"] == 1.0, r
+    assert r["master_max_rel"] <= 1e-5 and r["loss_max_rel"] <= 1e-3 and r["param_max_abs"] <= 2**-7, r
 
 
 @pytest.mark.cuda

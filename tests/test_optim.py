@@ -35,7 +35,8 @@ def test_parameters_of_an_unwrapped_copy_are_refused(cls):
         cls(plain.parameters())
 
 
-@pytest.mark.parametrize("fraction, message", [(1.5, r"offload_fraction must be in \[0, 1\], got 1.5"),
+@pytest.mark.parametrize("fraction, message", [(1.5, r"offload_fraction must be 'auto' or in \[0, 1\], got 1.5"),
+                                               ("half", r"offload_fraction must be 'auto' or in \[0, 1\], got 'half'"),
                                                (0.5, "offload_fraction=0.5 keeps optimizer state on the GPU, but no "
                                                      "parameter is on one")])
 def test_bad_offload_fraction(fraction, message):
@@ -135,3 +136,16 @@ def test_injected_inf_skips_the_step_and_shrinks_the_scale(cls):
     manager.backward(model(torch.randn(5, 8)).square().mean())
     assert manager.step() is True
     assert not all(torch.equal(before[k], v) for k, v in bmt.full_state_dict(model).items())
+
+
+def test_automatic_offload_fraction_without_a_gpu_keeps_everything_on_the_cpu():
+    plain, model = wrapped_mlp(seed=3)
+    optimizer = bmt.optim.AdamOffloadOptimizer(model.parameters(), lr=1e-2, offload_fraction="auto")
+    reference = bmt.optim.AdamOffloadOptimizer(bmt.wrap(plain).parameters(), lr=1e-2)
+    for opt, net in ((optimizer, model), (reference, plain)):
+        for _ in range(2):
+            (net(torch.ones(2, 8)) ** 2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert optimizer.offload_fraction == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters()))

@@ -12,7 +12,7 @@ the update, so unscaling and clipping cost no extra pass over the gradients.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import torch
 from torch.autograd.graph import increment_version
@@ -25,6 +25,9 @@ from ..schedule import engine
 from .nonfinite import NonFiniteGradientError, any_nonfinite, check_choice, describe_nonfinite
 
 __all__ = ["AdamOffloadOptimizer", "AdamOptimizer"]
+
+# offload_fraction="auto" leaves this share of the GPU free (see [Note: automatic offload fraction]).
+AUTO_HEADROOM = 0.08
 
 
 def _check_params(params: List[torch.Tensor], who: str) -> None:
@@ -297,7 +300,11 @@ class AdamOffloadOptimizer(_AdamBase):
             (12 bytes of GPU memory per element). The GPU keeps those the next forward needs
             first (the parameters outside blocks, then the first blocks): their CPU updates are
             the last of a step's backward and the first its next forward waits for. Parameters
-            offloaded by ``wrap(offload_params=True)`` are always updated on the CPU.
+            offloaded by ``wrap(offload_params=True)`` are always updated on the CPU. ``"auto"``:
+            after the first step, the state that fits in the GPU memory the step left unused
+            (keeping ``AUTO_HEADROOM`` of the card free) moves to the GPU, the first-needed first
+            (see [Note: automatic offload fraction]); :attr:`offload_fraction` then tells the share
+            left on the CPU. On a machine without a GPU, ``"auto"`` is 1.
         hold_steps: as :class:`AdamOptimizer`.
         nonfinite: as :class:`AdamOptimizer`. With ``step_in_backward=True`` a block is updated
             before the rest of the gradient exists: its gradient is checked on the GPU as it is
@@ -307,8 +314,8 @@ class AdamOffloadOptimizer(_AdamBase):
 
     Raises:
         ValueError, TypeError: as :class:`AdamOptimizer`; ``step_in_backward`` without a
-            distributed context; ``offload_fraction`` outside [0, 1], or below 1 with no
-            parameter on a GPU.
+            distributed context; ``offload_fraction`` neither ``"auto"`` nor in [0, 1], or below 1
+            with no parameter on a GPU.
 
     Example::
 
@@ -323,10 +330,13 @@ class AdamOffloadOptimizer(_AdamBase):
                  eps: float = 1e-8, weight_decay: float = 0.0, *, decoupled: bool = True,
                  master_dtype: torch.dtype = torch.float32, step_in_backward: bool = False,
                  chunk_numel: int = DEFAULT_CHUNK_NUMEL, staging_slots: int = DEFAULT_SLOTS,
-                 cpu_threads: Optional[int] = None, offload_fraction: float = 1.0, hold_steps: int = 0,
+                 cpu_threads: Optional[int] = None, offload_fraction: Union[float, str] = 1.0, hold_steps: int = 0,
                  nonfinite: str = "raise") -> None:
-        if not 0.0 <= offload_fraction <= 1.0:
-            raise ValueError(f"AdamOffloadOptimizer: offload_fraction must be in [0, 1], got {offload_fraction!r}")
+        self._auto_fraction = offload_fraction == "auto"
+        if self._auto_fraction:
+            offload_fraction = 1.0  # until the first step has shown how much memory is left
+        elif isinstance(offload_fraction, str) or not 0.0 <= offload_fraction <= 1.0:
+            raise ValueError(f"AdamOffloadOptimizer: offload_fraction must be 'auto' or in [0, 1], got {offload_fraction!r}")
         if step_in_backward and nonfinite == "skip":
             raise ValueError("AdamOffloadOptimizer(step_in_backward=True) updates each block during backward, before "
                              "the whole gradient is known, so it cannot skip a step; use step_in_backward=False with "
@@ -359,6 +369,7 @@ class AdamOffloadOptimizer(_AdamBase):
                 self._priority[id(p)] = len(self._priority) - (1 << 40 if outside else 0)
                 self._group_of[id(p)] = group
         self._on_gpu = self._kept_on_gpu(offload_fraction)
+        self.offload_fraction = offload_fraction  # the share of the elements whose state is on the CPU
         self.step_in_backward = step_in_backward
         if step_in_backward:
             if not is_initialized():
@@ -376,14 +387,55 @@ class AdamOffloadOptimizer(_AdamBase):
             raise ValueError(f"AdamOffloadOptimizer: offload_fraction={offload_fraction} keeps optimizer state on "
                              "the GPU, but no parameter is on one")
         budget = (1.0 - offload_fraction) * sum(p.numel() for p in params)
+        return self._first_needed(lambda p: p.numel(), budget)
+
+    def _first_needed(self, cost: Callable[[torch.Tensor], float], budget: float) -> Set[int]:
+        """Ids of the GPU parameters the next forward needs first, while their summed ``cost`` fits ``budget``
+        (half a parameter's cost may overshoot: the nearest fit)."""
         kept: Set[int] = set()
+        params = [p for g in self.param_groups for p in g["params"]]
         for p in sorted(params, key=lambda q: self._priority[id(q)]):
-            if budget < p.numel() / 2:
+            if budget < cost(p) / 2:
                 break
             if p.is_cuda:
                 kept.add(id(p))
-                budget -= p.numel()
+                budget -= cost(p)
         return kept
+
+    def _settle_fraction(self) -> None:
+        """``offload_fraction="auto"``, after the first step: move to the GPU the state that fits there.
+
+        [Note: automatic offload fraction]
+        The first step shows the most memory training needs on this GPU
+        (``torch.cuda.max_memory_allocated``: parameters, gathered blocks, gradients, activations and
+        recomputation). What is left of the card, less ``AUTO_HEADROOM`` of it for the allocator's
+        fragmentation and later variation (another sequence length), holds optimizer state: 12 bytes
+        per element (fp32 master, two moments; 8 for an fp32 parameter, its own master), given to
+        the parameters the next forward needs first, as a fixed ``offload_fraction`` would. Their
+        state is moved once, after the first step's CPU updates are done; from then on they are
+        updated on the GPU by the fused kernel, and the rest on the CPU.
+        """
+        self._auto_fraction = False
+        params = [p for g in self.param_groups for p in g["params"]]
+        cuda = [p for p in params if p.is_cuda]
+        if not cuda:
+            return
+        device = cuda[0].device
+        total = torch.cuda.get_device_properties(device).total_memory
+        budget = total * (1.0 - AUTO_HEADROOM) - torch.cuda.max_memory_allocated(device)
+        kept = self._first_needed(lambda p: p.numel() * (8 if p.dtype == torch.float32 else 12), budget)
+        if not kept:
+            return
+        self.wait()  # the CPU updates of the first step are written back
+        for p in params:
+            if id(p) in kept and self.state[p]:
+                state = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.state[p].items()}
+                if p.dtype == torch.float32:
+                    state.pop("master", None)  # on the GPU an fp32 parameter is its own master (equal after wait())
+                self.state[p] = state
+        self._on_gpu = kept
+        kept_numel = sum(p.numel() for p in params if id(p) in kept)
+        self.offload_fraction = 1.0 - kept_numel / max(1, sum(p.numel() for p in params))
 
     def _state_device(self, param: torch.Tensor) -> torch.device:
         return param.device if id(param) in self._on_gpu else torch.device("cpu")
@@ -515,6 +567,8 @@ class AdamOffloadOptimizer(_AdamBase):
         self._offload.prioritise()
         self._queue(work)
         self._end_step()
+        if self._auto_fraction:
+            self._settle_fraction()
         if self._offload.device.type == "cpu" and not self.step_in_backward:
             self.wait()  # nothing to overlap with on a CPU-only machine
         return loss

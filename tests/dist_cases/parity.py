@@ -42,6 +42,9 @@ OPTIMIZERS = {
     # GPU only: the root and the first block keep their state on the GPU.
     "offload_half_in_backward": lambda params: bmt.optim.AdamOffloadOptimizer(
         params, lr=LR, eps=EPS, weight_decay=0.01, step_in_backward=True, offload_fraction=0.5),
+    # GPU only: after the first step, the state that fits moves to the GPU (all of this small model's).
+    "offload_auto_in_backward": lambda params: bmt.optim.AdamOffloadOptimizer(
+        params, lr=LR, eps=EPS, weight_decay=0.01, step_in_backward=True, offload_fraction="auto"),
 }
 
 
@@ -251,6 +254,9 @@ if DEVICE == "cuda":
     CASES["offload_half_matches_adam"] = lambda: offload_matches_adam("offload_half_in_backward")
     CASES["offload_params_in_backward_matches_adam"] = lambda: offload_matches_adam("offload_in_backward",
                                                                                     offload_params=True)
+    CASES["offload_auto_matches_adam"] = lambda: offload_matches_adam("offload_auto_in_backward")
 
 if __name__ == "__main__":
-    run(CASES)
+    # Argument 3 (optional): a comma-separated list of the cases to run.
+    chosen = sys.argv[3].split(",") if len(sys.argv) > 3 else list(CASES)
+    run({name: CASES[name] for name in chosen})
