@@ -15,6 +15,8 @@ the root group] in runners.py), its views come from the group's ``unshard()`` so
 flow back to its reduce-scatter, and the group is *lent*: pinned gathered until the backward
 ends (or the forward ends, without autograd), counted as one more forward expecting gradients.
 Inside a block's own run, its parameters are already full views and never reach the mode's work.
+Views made without autograd (a use under ``torch.no_grad()``) are constants; a use with autograd
+later in the same forward gets views of its own, and the group is lent again, counting that use.
 
 Cost: one Python call per torch operation of the forward, checking its arguments (and one
 level of lists) for ``nn.Parameter`` objects the registry knows: about a microsecond against
@@ -54,8 +56,11 @@ class OnDemandGathers(TorchFunctionMode):
         self._registry = registry
         self._group_of = group_of
         self._lend = lend
-        self._views: Dict[int, torch.Tensor] = {}  # id(sharded parameter) -> its full view in this forward
-        self.lent: List[ParamGroup] = []
+        # (id(sharded parameter), grad enabled) -> its full view in this forward. Views made without
+        # autograd are constants: a use with autograd later in the forward needs views of its own.
+        self._views: Dict[Tuple[int, bool], torch.Tensor] = {}
+        # Groups lent in this forward, and whether with autograd (then kept until the backward ends).
+        self.lent: Dict[int, Tuple[ParamGroup, bool]] = {}
         # > 0 while the engine's own code runs (it handles sharded parameters as pieces, on purpose).
         self.paused = 0
 
@@ -92,10 +97,11 @@ class OnDemandGathers(TorchFunctionMode):
             return type(value)(self._full(v) for v in value)
         if not isinstance(value, nn.Parameter) or self._registry.lookup(value) is None:
             return value
-        view = self._views.get(id(value))
+        key = (id(value), torch.is_grad_enabled())
+        view = self._views.get(key)
         if view is None:
             self._gather_for(value)
-            view = self._views[id(value)]
+            view = self._views[key]
         return view
 
     def _gather_for(self, param: nn.Parameter) -> None:
@@ -108,11 +114,13 @@ class OnDemandGathers(TorchFunctionMode):
                 "gathers it, and bmtwrap cannot gather it there; pass this module to bmtwrap.wrap(layers=...) "
                 "so that it becomes a block of its own, or keep the parameter out of the blocks"
             )
-        self.lent.append(group)
+        grad = torch.is_grad_enabled()
+        _, with_grad = self.lent.get(id(group), (group, False))
+        self.lent[id(group)] = (group, with_grad or grad)
         self.paused += 1
         try:
             views = group.unshard()
         finally:
             self.paused -= 1
         for slot, view in zip(group.slots, views):
-            self._views[id(slot.param)] = view
+            self._views[(id(slot.param), grad)] = view

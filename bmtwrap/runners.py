@@ -261,9 +261,10 @@ class BlockRunner:
             self._engine.forward_with_grad(self)
 
     def take_back(self) -> None:
-        """A forward without autograd that lent the group has ended."""
+        """The forward that lent the group without autograd has ended: unpinned, and released unless a run of
+        the block with autograd in that forward still needs it for its backward."""
         self.group.unpin()
-        self.group.release()
+        self._maybe_release()
 
 
 class _SavedParameterView:

@@ -266,8 +266,8 @@ class Engine:
         if not self._active_roots and self._on_demand is not None:
             mode, self._on_demand = self._on_demand, None
             mode.__exit__(None, None, None)
-            if not torch.is_grad_enabled():
-                for group in mode.lent:
+            for group, with_grad in mode.lent.values():
+                if not with_grad:  # lent only without autograd: no backward will give it back
                     self._runner_of_group[id(group)].take_back()
 
     def enter_block(self) -> None:
