@@ -5,7 +5,8 @@
 Three ways to get the loss and the gradients of an LM head's output:
 - torch: ``F.cross_entropy(hidden @ W.T, target)`` on bf16 logits (the usual code),
 - fused: ``bmt.loss.FusedCrossEntropy(inplace=True)`` on the same bf16 logits,
-- chunked: ``bmt.loss.linear_cross_entropy(hidden, W, target)``, which never holds all the logits.
+- chunked: ``bmt.loss.linear_cross_entropy(hidden, W, target)``, which never holds all the logits
+  (also at the chunk sizes of ``--chunks``).
 Each is timed forward + backward (median of 5 after 2 warm-ups) and its peak memory above the
 inputs is read from ``torch.cuda.max_memory_allocated``. Prints ``RESULT {json}`` lines.
 """
@@ -45,6 +46,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8 * 2048)
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--chunks", default="2048,4096,8192",
+                        help="chunk sizes (rows) of linear_cross_entropy to time, the default first")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
@@ -63,8 +66,11 @@ def main() -> None:
     cases = {
         "torch": lambda: F.cross_entropy(hidden @ weight.T, target),
         "fused": lambda: fused(hidden @ weight.T, target),
-        "chunked": lambda: bmt.loss.linear_cross_entropy(hidden, weight, target),  # chunks of 2048 rows
+        "chunked": lambda: bmt.loss.linear_cross_entropy(hidden, weight, target),  # the default chunk size
     }
+    for size in [int(c) for c in args.chunks.split(",") if c]:
+        cases[f"chunked-{size}"] = lambda size=size: bmt.loss.linear_cross_entropy(hidden, weight, target,
+                                                                                   chunk_size=size)
     losses = {}
     for name, loss_fn in cases.items():
         losses[name] = loss_fn().item()

@@ -20,7 +20,8 @@ from . import ops
 __all__ = ["FusedCrossEntropy", "linear_cross_entropy"]
 
 _REDUCTIONS = ("mean", "sum", "none")
-# Rows of the weight gradient accumulated per matmul in linear_cross_entropy (bounds a temporary).
+# Rows of the weight gradient accumulated per matmul in linear_cross_entropy where the matmul cannot
+# accumulate in fp32 itself (bounds a temporary).
 _VOCAB_SLICE = 16384
 
 
@@ -166,10 +167,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if grad_hidden is not None:
                     grad_hidden[start : start + chunk] = logits @ weight
                 if grad_weight is not None:
-                    # fp32 += low-precision product, a slice of the vocabulary at a time: the product's
-                    # temporary stays small, and no fp32 copy of the logits is made.
-                    for v in range(0, logits.shape[1], _VOCAB_SLICE):
-                        grad_weight[v : v + _VOCAB_SLICE].add_(logits[:, v : v + _VOCAB_SLICE].T @ h)
+                    _accumulate_product(grad_weight, logits.T, h)
         ctx.grads = (grad_hidden, grad_weight)  # consumed (scaled in place) by the one backward
         ctx.weight_dtype = weight.dtype
         return total
@@ -184,6 +182,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
         gh = grad_hidden.mul_(scale.to(grad_hidden.dtype)) if grad_hidden is not None else None
         gw = grad_weight.mul_(scale).to(ctx.weight_dtype) if grad_weight is not None else None
         return gh, gw, None, None, None, None, None
+
+
+def _accumulate_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out += a @ b`` for an fp32 ``out`` and low-precision ``a``, ``b``.
+
+    On a GPU the matmul accumulates into ``out`` in its own fp32 epilogue (``addmm`` with
+    ``out_dtype``): no temporary, no second pass over ``out``. Elsewhere (and where that form is
+    missing) the low-precision product is added a slice of rows at a time, which bounds the
+    temporary to ``_VOCAB_SLICE`` rows.
+    """
+    if out.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and a.dtype == b.dtype:
+        torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+        return
+    for v in range(0, a.shape[0], _VOCAB_SLICE):
+        out[v : v + _VOCAB_SLICE].add_(a[v : v + _VOCAB_SLICE] @ b)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,

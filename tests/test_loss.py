@@ -104,3 +104,28 @@ def test_fused_cross_entropy_with_class_weights_matches_torch(reduction):
         bmt.loss.FusedCrossEntropy(torch.ones(3))(logits, target)
     with pytest.raises(NotImplementedError, match=r"parallel=True\) is BMTrain's vocabulary-parallel loss"):
         bmt.loss.FusedCrossEntropy(None, -100, "mean", 0.0, True)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_linear_cross_entropy_on_a_gpu_accumulates_the_weight_gradient_in_fp32():
+    """bf16 inputs on a GPU: the weight gradient is summed over chunks in fp32 by the matmul itself. Against
+    float64 math on the same bf16 values, both gradients stay within bf16 rounding of the logits' gradient
+    (which is stored in bf16), far below what an accumulation in bf16 over 8 chunks would lose."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, h, v = 1024, 256, 5003
+    hidden = torch.randn(n, h, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn(v, h, device="cuda", generator=g) * 0.05).bfloat16()
+    target = torch.randint(0, v, (n,), device="cuda", generator=g)
+    target[::7] = -100
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = bmt.loss.linear_cross_entropy(h1, w1, target, chunk_size=128)
+    loss.backward()
+    h2, w2 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    ref = F.cross_entropy(h2 @ w2.T, target)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) <= 1e-3 * abs(ref.item())
+    for ours, theirs in ((h1.grad, h2.grad), (w1.grad, w2.grad)):
+        assert ours.dtype == torch.bfloat16
+        error = (ours.double() - theirs).abs().max().item() / theirs.abs().max().item()
+        assert error < 2 ** -6, error
