@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import threading
 from dataclasses import dataclass
+from typing import Dict, List
 
 import torch
 
-__all__ = ["DEFAULT_CHUNK_NUMEL", "DEFAULT_SLOTS", "OffloadPolicy", "advise_huge_pages", "host_empty", "host_zeros"]
+__all__ = ["DEFAULT_CHUNK_NUMEL", "DEFAULT_SLOTS", "PINNED", "OffloadPolicy", "PinnedPool", "advise_huge_pages",
+           "host_empty", "host_zeros"]
 
 # Chunks of 16 Mi elements: 32 MiB of bf16 gradient, a few milliseconds of CPU Adam; large enough
 # that per-chunk overheads vanish, small enough that the first chunk of a step starts early.
@@ -35,6 +38,7 @@ DEFAULT_SLOTS = 4
 
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # linux/mman.h
+_CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 
 
 @dataclass(frozen=True)
@@ -63,15 +67,89 @@ class OffloadPolicy:
             zeroed: zeros; False leaves it uninitialised (a model built on the meta device, to be filled by
                 materialisation or loading).
         """
-        device = torch.device("cpu") if self.params else compute
-        return (torch.zeros if zeroed else torch.empty)(numel, dtype=dtype, device=device,
-                                                        pin_memory=self.params and compute.type == "cuda")
+        if not self.params:
+            return (torch.zeros if zeroed else torch.empty)(numel, dtype=dtype, device=compute)
+        shard = host_empty(numel, dtype, pinned=compute.type == "cuda")
+        return shard.zero_() if zeroed else shard
 
 
 def host_empty(numel: int, dtype: torch.dtype, *, pinned: bool) -> torch.Tensor:
     """An uninitialised 1-D CPU tensor, ``pinned`` (page-locked) where copies between it and a GPU must run
-    asynchronously: from pageable memory they would block the host."""
-    return torch.empty(numel, dtype=dtype, pin_memory=pinned)
+    asynchronously: from pageable memory they would block the host. Pinned memory comes from
+    :data:`PINNED`, in exactly the bytes asked for."""
+    if not pinned:
+        return torch.empty(numel, dtype=dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(PINNED.take(numel * itemsize), dtype=dtype, count=numel) if numel else \
+        torch.empty(0, dtype=dtype, pin_memory=True)
+
+
+class PinnedPool:
+    """Page-locked host memory in blocks of exactly the size asked for, reused once their tensors die.
+
+    [Note: exact-size pinned memory]
+    torch's pinned allocator rounds every block up to a power of two: an offloaded block's
+    436 MiB shard takes 512 MiB, a 1 GiB one 2 GiB, and an 8B model's offloaded shards and
+    gradients need a fifth more host memory than they hold. Here a block is plain host memory of
+    the exact size (advised onto huge pages), page-locked with ``cudaHostRegister`` so that copies
+    to and from a GPU run asynchronously. A tensor made from a block (``torch.frombuffer``) holds
+    it through a small handle; when the tensor's memory is freed, the handle's finaliser returns the
+    block to the pool for the next request of the same size (a block's gradients, step after step).
+    Blocks are never unregistered: the pool only grows to the most memory held at once.
+
+    Reuse needs no stream bookkeeping because of who frees: a gradient copied to the host is read
+    only after its copy's event, and the engine waits for every such copy when backward ends
+    ([Note: offloaded shards] in ``group.py``), so a freed block has no copy in flight.
+    """
+
+    def __init__(self) -> None:
+        self._free: Dict[int, List[int]] = {}  # bytes -> addresses of free blocks of that size
+        self._backing: List[torch.Tensor] = []  # the host memory of every block, kept for good
+        self._handles: Dict[int, type] = {}  # bytes -> the handle class of that size
+        self._lock = threading.Lock()
+        self.registered_bytes = 0
+
+    def take(self, nbytes: int) -> "ctypes.Array":
+        """A handle of ``nbytes`` pinned bytes (a writable buffer for ``torch.frombuffer``)."""
+        with self._lock:
+            free = self._free.get(nbytes)
+            address = free.pop() if free else None
+            handle = self._handles.get(nbytes)
+            if handle is None:
+                handle = self._handles[nbytes] = type("PinnedBlock", (ctypes.c_ubyte * nbytes,),
+                                                      {"__del__": _give_back, "__slots__": ()})
+        if address is None:
+            address = self._register(nbytes)
+        return handle.from_address(address)
+
+    def bytes_in_use(self) -> int:
+        """Registered bytes held by live tensors (the rest wait in the pool)."""
+        with self._lock:
+            return self.registered_bytes - sum(size * len(free) for size, free in self._free.items())
+
+    def put(self, address: int, nbytes: int) -> None:
+        with self._lock:
+            self._free.setdefault(nbytes, []).append(address)
+
+    def _register(self, nbytes: int) -> int:
+        backing = torch.empty(nbytes, dtype=torch.uint8)
+        advise_huge_pages(backing)
+        error = torch.cuda.cudart().cudaHostRegister(backing.data_ptr(), nbytes, _CUDA_HOST_REGISTER_PORTABLE)
+        if int(error) != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes / 2**20:.1f} MiB of host memory failed ({error}): "
+                               "the host may be short of lockable memory (ulimit -l) or of memory")
+        with self._lock:
+            self._backing.append(backing)
+            self.registered_bytes += nbytes
+        return backing.data_ptr()
+
+
+def _give_back(handle: "ctypes.Array") -> None:
+    PINNED.put(ctypes.addressof(handle), ctypes.sizeof(handle))
+
+
+PINNED = PinnedPool()
+"""The process's pool of exact-size pinned host memory ([Note: exact-size pinned memory])."""
 
 
 def host_zeros(numel: int) -> torch.Tensor:

@@ -64,6 +64,29 @@ def test_automatic_offload_fraction_on_one_gpu():
 
 
 @pytest.mark.cuda
+@pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU")
+def test_offloaded_parameters_on_one_gpu():
+    """wrap(offload_params=True) on one GPU: training equals the fused optimizer's, resuming is exact, and the
+    shards live in page-locked memory of their exact size that later steps reuse."""
+    names = ["offload_params_matches_adam", "offload_params_in_backward_matches_adam", "resume_offload_params_gpu",
+             "offload_params_pinned_exactly"]
+    results = run_cases("parity.py", 1, "cuda-bf16", ",".join(names))
+    for name in names[:2]:
+        r = results[name]
+        assert "error" not in r, r.get("error")
+        assert r["master_max_rel"] <= 1e-5 and r["loss_max_rel"] <= 1e-3 and r["param_max_abs"] <= 2**-7, r
+    r = results["resume_offload_params_gpu"]
+    assert "error" not in r and r["losses_equal"] and r["params_equal"], r
+    r = results["offload_params_pinned_exactly"]
+    assert "error" not in r, r.get("error")
+    assert r["offloaded_params"] > 0 and r["all_pinned"], r
+    assert r["pool_bytes_after_build"] == r["shard_bytes"], r
+    # The host gradients of a step reuse the blocks freed by the step before: the pool stops growing.
+    registered = r["registered_after_step"]
+    assert registered[-1] == registered[-2] == registered[-3], r
+
+
+@pytest.mark.cuda
 @pytest.mark.skipif(_gpus() < 2, reason="needs 2 CUDA GPUs (sharding over NCCL)")
 def test_hugging_face_cases_on_two_gpus():
     """The wrap() cases (fp32) over NCCL: generate() in step across ranks, with parameters on the GPU and

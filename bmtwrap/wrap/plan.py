@@ -25,8 +25,7 @@ backward or while a block recomputes:
   twice (its activations and their gradients).
 Offload moves state to the host: ``AdamOffloadOptimizer`` keeps the moments and master of the
 offloaded share there (pageable, exact) plus a pinned staging ring; ``offload_params`` keeps the
-blocks' shards and their gradients in pinned memory, which CUDA's host allocator rounds up to a
-power of two per buffer.
+blocks' shards and their gradients in pinned memory of their exact size (``offload.PinnedPool``).
 """
 
 from __future__ import annotations
@@ -276,11 +275,6 @@ def _vocab_size(model: nn.Module) -> Optional[int]:
 # --- the estimate ------------------------------------------------------------------------------
 
 
-def _pinned(nbytes: int) -> int:
-    """CUDA's caching host allocator rounds each pinned block up to a power of two."""
-    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
-
-
 def _adam_bytes(dtype: torch.dtype) -> int:
     return 8 if dtype == torch.float32 else 12  # two fp32 moments, plus an fp32 master for 16-bit parameters
 
@@ -323,7 +317,7 @@ def _rank_bytes(groups: _Groups, offload: OffloadOptions, rank: int) -> Dict[str
         on_host = in_block and offload.params
         if on_host:
             # The shard, and (trainable) the gradient shard copied to the host, both pinned.
-            out["host_params"] += _pinned(shard) * (2 if buffer.requires_grad else 1)
+            out["host_params"] += shard * (2 if buffer.requires_grad else 1)
         else:
             out["params"] += shard
             out["grads"] += shard if buffer.requires_grad else 0
@@ -351,7 +345,7 @@ def _activations(model: nn.Module, blocks: List[GroupPlan], block_dtype: torch.d
 
 
 def make_plan(model: nn.Module, world_size: int, *, layers: Optional[LayerPolicy] = None,
-              checkpoint: Checkpoint = True, batch_size: Optional[int] = None, seq_len: Optional[int] = None,
+              checkpoint: Checkpoint = "auto", batch_size: Optional[int] = None, seq_len: Optional[int] = None,
               offload: OffloadOptions = OffloadOptions(),
               ranks_per_host: Optional[int] = None) -> Tuple[WrapPlan, List[Tuple[str, nn.Module]], Set[int]]:
     """The plan, the block modules it names, and the ids of the parameters kept in the root."""
@@ -382,7 +376,7 @@ def make_plan(model: nn.Module, world_size: int, *, layers: Optional[LayerPolicy
     staging = 0
     if offload.optimizer:
         grad_size = max((_itemsize(b.dtype) for _, b in groups.in_forward_order()), default=4)
-        staging = _pinned(offload.chunk_numel * 2 * grad_size) * offload.staging_slots  # a gradient and a parameter
+        staging = offload.chunk_numel * 2 * grad_size * offload.staging_slots  # a gradient and a parameter (cudaHostAlloc)
     host_detail = (("optimizer state", exact["host_state"]), ("pinned staging", staging),
                    ("parameters and gradients", exact["host_params"]))
     memory = MemoryEstimate(

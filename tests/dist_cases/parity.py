@@ -211,6 +211,29 @@ def eval_no_grad() -> Dict[str, Any]:
     return {"logits_max_abs": diff}
 
 
+def offload_params_pinned_exactly() -> Dict[str, Any]:
+    """wrap(offload_params=True) on a GPU: every offloaded shard is page-locked host memory of its exact size,
+    and the gradients' host memory is reused from step to step (the pool stops growing after the first steps)."""
+    from bmtwrap.offload import PINNED
+    before = PINNED.bytes_in_use()
+    _, model = build(DTYPE, offload_params=True)
+    built = PINNED.bytes_in_use() - before
+    opt = OPTIMIZERS["offload_in_backward"](model.parameters())
+    offloaded = [p for p in model.parameters() if p.device.type == "cpu"]
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in offloaded}
+    data = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    grown = []
+    for _ in range(4):
+        opt.zero_grad()
+        model.loss(data).backward()
+        opt.step()
+        opt.wait()
+        grown.append(PINNED.registered_bytes)
+    torch.cuda.synchronize()
+    return {"offloaded_params": len(offloaded), "all_pinned": all(p.is_pinned() for p in offloaded),
+            "shard_bytes": sum(storages.values()), "pool_bytes_after_build": built, "registered_after_step": grown}
+
+
 CASES = {
     "zero3_checkpoint": lambda: train(),
     "zero3_no_checkpoint": lambda: train(use_checkpoint=False),
@@ -255,6 +278,7 @@ if DEVICE == "cuda":
     CASES["offload_params_in_backward_matches_adam"] = lambda: offload_matches_adam("offload_in_backward",
                                                                                     offload_params=True)
     CASES["offload_auto_matches_adam"] = lambda: offload_matches_adam("offload_auto_in_backward")
+    CASES["offload_params_pinned_exactly"] = offload_params_pinned_exactly
 
 if __name__ == "__main__":
     # Argument 3 (optional): a comma-separated list of the cases to run.
