@@ -81,9 +81,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="ranks sharing one host's memory, for the per-host figure (default: world size, at most 8)")
     plan.add_argument("--batch-size", type=int, help="sequences per rank, for the activation estimate")
     plan.add_argument("--seq-len", type=int, help="tokens per sequence, for the activation estimate")
-    plan.add_argument("--checkpoint", default="true", choices=["true", "false", "auto"],
-                      help="activation checkpointing of the blocks, as wrap(checkpoint=...) (default true; "
-                           "auto is planned as true, since wrap decides in the first step)")
+    plan.add_argument("--checkpoint", default="auto", choices=["true", "false", "auto"],
+                      help="activation checkpointing of the blocks, as wrap(checkpoint=...) (default auto, "
+                           "planned as true, since wrap decides in the first step)")
     plan.add_argument("--no-checkpoint", action="store_true", help="the same as --checkpoint false")
     plan.add_argument("--offload", action="store_true",
                       help="plan for AdamOffloadOptimizer: optimizer state in host memory")

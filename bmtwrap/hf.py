@@ -261,9 +261,10 @@ class Trainer(transformers.Trainer):
       ``optimizer_cls_and_kwargs=`` choose the optimizer.
     - ``max_grad_norm`` clips by the norm of the whole gradient, over all shards.
     - ``args.gradient_checkpointing=True`` (``activation_checkpointing`` in newer transformers)
-      means ``wrap(checkpoint=True)``, which is also the default: bmtwrap recomputes each block in
-      backward. The flag is switched off on ``args``, so Hugging Face's own checkpointing is not
-      added on top; its kwargs (``use_reentrant``, ...) are not used.
+      means ``wrap(checkpoint=True)``: bmtwrap recomputes each block in backward (without the
+      flag, ``wrap``'s default ``checkpoint="auto"`` keeps what fits). The flag is switched off on
+      ``args``, so Hugging Face's own checkpointing is not added on top; its kwargs
+      (``use_reentrant``, ...) are not used.
     - A ``checkpoint-N`` folder holds, beside Trainer's ``trainer_state.json`` and RNG files, a
       sharded checkpoint in ``checkpoint-N/bmtwrap/`` (:func:`bmtwrap.save_checkpoint`: model,
       optimizer and scheduler, every rank writing its own pieces) instead of the full weights;

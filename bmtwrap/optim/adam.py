@@ -62,6 +62,12 @@ def _offload_policy(registry: Any, param: torch.Tensor) -> OffloadPolicy:
     return found[0].offload if found is not None else OffloadPolicy()
 
 
+def _gpu_state_bytes(p: torch.Tensor) -> int:
+    """Bytes per element of ``p``'s Adam state on the GPU: master and two moments in fp32 (an fp32
+    parameter is its own master)."""
+    return 8 if p.dtype == torch.float32 else 12
+
+
 def _update_in_place(p: torch.Tensor, state: Dict[str, Any], hyper: Dict[str, Any]) -> None:
     """One Adam(W) step of ``p`` by the kernel of its own device, state on the same device."""
     master = state.get("master", p)
@@ -369,6 +375,9 @@ class AdamOffloadOptimizer(_AdamBase):
                 self._priority[id(p)] = len(self._priority) - (1 << 40 if outside else 0)
                 self._group_of[id(p)] = group
         self._on_gpu = self._kept_on_gpu(offload_fraction)
+        if self._auto_fraction and registry is not None:
+            # What checkpoint="auto" must leave free for this state ([Note: who gets the GPU memory left]).
+            engine().claim_gpu_memory(self, sum(p.numel() * _gpu_state_bytes(p) for p in all_params if p.is_cuda))
         self.offload_fraction = offload_fraction  # the share of the elements whose state is on the CPU
         self.step_in_backward = step_in_backward
         if step_in_backward:
@@ -409,9 +418,11 @@ class AdamOffloadOptimizer(_AdamBase):
         The first step shows the most memory training needs on this GPU
         (``torch.cuda.max_memory_allocated``: parameters, gathered blocks, gradients, activations and
         recomputation). What is left of the card, less ``AUTO_HEADROOM`` of it for the allocator's
-        fragmentation and later variation (another sequence length), holds optimizer state: 12 bytes
-        per element (fp32 master, two moments; 8 for an fp32 parameter, its own master), given to
-        the parameters the next forward needs first, as a fixed ``offload_fraction`` would. Their
+        fragmentation and later variation (another sequence length), and less the activations that
+        ``checkpoint="auto"`` keeps from the second step on, holds optimizer state: 12 bytes per
+        element (fp32 master, two moments; 8 for an fp32 parameter, its own master), given to the
+        parameters the next forward needs first, as a fixed ``offload_fraction`` would. (That state
+        has first call on the memory: [Note: who gets the GPU memory left] in ``schedule.py``.) Their
         state is moved once, after the first step's CPU updates are done; from then on they are
         updated on the GPU by the fused kernel, and the rest on the CPU.
         """
@@ -423,7 +434,11 @@ class AdamOffloadOptimizer(_AdamBase):
         device = cuda[0].device
         total = torch.cuda.get_device_properties(device).total_memory
         budget = total * (1.0 - AUTO_HEADROOM) - torch.cuda.max_memory_allocated(device)
-        kept = self._first_needed(lambda p: p.numel() * (8 if p.dtype == torch.float32 else 12), budget)
+        if is_initialized():
+            # Activations checkpoint="auto" decided to keep from the second step on.
+            budget -= engine().kept_activation_bytes
+            engine().claim_gpu_memory(self, 0)
+        kept = self._first_needed(lambda p: p.numel() * _gpu_state_bytes(p), budget)
         if not kept:
             return
         self.wait()  # the CPU updates of the first step are written back

@@ -96,7 +96,7 @@ def _check_options(checkpoint: Checkpoint, zero_level: Optional[int], memory_bud
 
 
 def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional[LayerPolicy] = None,
-         checkpoint: Checkpoint = True, batch_size: Optional[int] = None, seq_len: Optional[int] = None,
+         checkpoint: Checkpoint = "auto", batch_size: Optional[int] = None, seq_len: Optional[int] = None,
          offload_optimizer: bool = False, offload_fraction: float = 1.0, offload_params: bool = False,
          ranks_per_host: Optional[int] = None) -> WrapPlan:
     """What :func:`wrap` would do to ``model``, without doing it (no collectives, no allocation).
@@ -157,7 +157,9 @@ class AutoRecompute:
     The first training step runs every block checkpointed; while backward recomputes each block,
     the bytes its recomputation keeps alive are measured. Once every block has reported, blocks
     stop checkpointing, first to last, while their activations fit between that step's peak and
-    the budget. On the CPU nothing is measured and every block stays checkpointed.
+    the budget, less what an offload optimizer claimed for its state ([Note: who gets the GPU
+    memory left] in ``schedule.py``). On the CPU nothing is measured and every block stays
+    checkpointed.
     """
 
     def __init__(self, runners: List[BlockRunner], budget: Optional[int], device: torch.device) -> None:
@@ -179,13 +181,16 @@ class AutoRecompute:
         if len(self._sizes) < len(self._runners):
             return
         self.decided = True
-        headroom = self._budget - torch.cuda.max_memory_allocated(self._device)
+        # Optimizer state waiting for GPU memory comes first ([Note: who gets the GPU memory left]).
+        eng = engine()
+        headroom = self._budget - torch.cuda.max_memory_allocated(self._device) - eng.gpu_claims()
         for runner in self._runners:
             size = self._sizes[id(runner)]
             if size > headroom:
                 break
             runner.keep_activations()
             headroom -= size
+            eng.kept_activation_bytes += size
         for runner in self._runners:
             runner.measure_activations(None)
 
@@ -277,7 +282,7 @@ def _already_wrapped(model: nn.Module, options: WrapOptions) -> Optional[nn.Modu
     return model
 
 
-def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: Checkpoint = True,
+def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: Checkpoint = "auto",
          zero_level: Optional[int] = None, reduce_dtype: Optional[torch.dtype] = None,
          memory_budget: Optional[int] = None, offload_params: bool = False) -> nn.Module:
     """Shard ``model`` over all ranks, in place, and return it.
@@ -299,9 +304,10 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
             call :func:`materialize` or load weights before running it).
         layers: which modules become blocks: a list of classes or class names, or a callable
             ``(qualified_name, module) -> bool``; default: detected.
-        checkpoint: ``True`` (recompute every block in backward), ``False``, or ``"auto"`` (keep the
-            activations of as many blocks as ``memory_budget`` allows, measured in the first step;
-            every block stays checkpointed on the CPU).
+        checkpoint: ``"auto"`` (default: keep the activations of as many blocks as ``memory_budget``
+            allows, measured in the first training step, which runs every block checkpointed; on the
+            CPU every block stays checkpointed), ``True`` (recompute every block in backward), or
+            ``False``.
         zero_level: 3 frees gathered parameters after each block's forward, 2 keeps them until
             backward; default: :func:`bmtwrap.init_distributed`'s.
         reduce_dtype: dtype gradients are averaged in; default: each parameter's own.
