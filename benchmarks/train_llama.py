@@ -23,6 +23,7 @@ import math
 import resource
 import statistics
 import time
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import transformers
@@ -36,6 +37,9 @@ SIZES = {
                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+    # Llama-2-13B's layers with Llama 3's grouped-query attention and vocabulary: 12.3 B parameters.
+    "13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
 }
 PEAK_FLOPS = 989e12  # bf16 dense, H100 / H200 SXM
 
@@ -56,6 +60,49 @@ def host_huge_pages_gib() -> float:
     return round(kib / 2**20, 2)
 
 
+def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> torch.Tensor:
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def profile_step(run: Callable[[], Any]) -> Dict[str, float]:
+    """One step under the profiler: the share of its time some compute kernel ran on the GPU, the share
+    a host-device copy ran, and the longest gap with no kernel at all."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    gpu = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    copies = [e for e in gpu if "memcpy" in e.name.lower() or "memset" in e.name.lower()]
+    kernels = [e for e in gpu if e not in copies]
+
+    def union(events: List[Any]) -> Tuple[float, float]:
+        spans = sorted((e.time_range.start, e.time_range.end) for e in events)
+        total, gap, end = 0.0, 0.0, None
+        for a, b in spans:
+            if end is None or a > end:
+                gap = max(gap, a - end) if end is not None else gap
+                total += b - a
+                end = b
+            elif b > end:
+                total += b - end
+                end = b
+        return total / 1e6, gap / 1e6  # microseconds -> seconds
+
+    compute, gap = union(kernels)
+    copied, _ = union(copies)
+    return dict(profiled_step_s=round(wall, 4), gpu_busy_pct=round(100 * compute / wall, 1),
+                gpu_copy_pct=round(100 * copied / wall, 1), longest_gpu_gap_s=round(gap, 4))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", default="1b", choices=sorted(SIZES))
@@ -73,6 +120,8 @@ def main() -> None:
                              "or 'auto' (what does not fit the GPU after the first step)")
     parser.add_argument("--offload-params", action="store_true",
                         help="keep parameter shards in host memory too (wrap(offload_params=True))")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one more step after the timed ones and report how busy the GPU was")
     args = parser.parse_args()
     fraction = args.offload_fraction if args.offload_fraction == "auto" else float(args.offload_fraction)
 
@@ -112,10 +161,7 @@ def main() -> None:
             stats_before = optimizer.offload_stats()
         torch.cuda.synchronize()
         start = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss = step(model, optimizer, ids)
         torch.cuda.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
@@ -126,21 +172,22 @@ def main() -> None:
         cpu = dict(host_huge_gib=host_huge_pages_gib(), cpu_adam_s=round(stats["adam_s"] / args.steps, 4), cpu_stalled_s=round(stats["stalled_s"] / args.steps, 4),
                    cpu_idle_s=round(stats["idle_s"] / args.steps, 4),
                    cpu_adam_melem_s=round(stats["elements"] / max(stats["adam_s"], 1e-9) / 1e6, 1))
+    busy = profile_step(lambda: step(model, optimizer, ids)) if args.profile else {}
     if not math.isfinite(loss.item()):
         raise SystemExit(f"the loss is {loss.item()} after {args.warmup + args.steps} steps: training is broken, "
                          "the timings mean nothing")
-    step = statistics.median(times)
+    step_s = statistics.median(times)
     tokens = args.batch * args.seq
     bmt.print_rank("RESULT " + json.dumps(dict(
         system="bmtwrap", size=args.size, world=ctx.world_size, batch=args.batch, seq=args.seq, params=params,
         activation_checkpointing=args.checkpoint, zero_level=args.zero_level, optimizer=args.optimizer,
         offload_threads=args.offload_threads,
         offload_fraction=round(optimizer.offload_fraction, 3) if offloading else args.offload_fraction,
-        offload_params=args.offload_params, step_s=round(step, 4), tok_s_gpu=round(tokens / step, 1),
-        mfu=round(per_token * tokens / step / PEAK_FLOPS, 4),
+        offload_params=args.offload_params, step_s=round(step_s, 4), tok_s_gpu=round(tokens / step_s, 1),
+        mfu=round(per_token * tokens / step_s / PEAK_FLOPS, 4),
         peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), loss=round(loss.item(), 4),
         plan_gib=round(planned.total / 2**30, 2), plan_host_gib=round(planned.host / 2**30, 2),
-        host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2), **cpu,
+        host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2), **cpu, **busy,
     )), flush=True)
     torch.distributed.destroy_process_group()
 
