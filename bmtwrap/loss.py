@@ -201,7 +201,7 @@ def _accumulate_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
                          ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-                         chunk_size: int = 2048) -> torch.Tensor:
+                         chunk_size: int = 8192) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T`` against ``target`` without materialising the logits.
 
     Rows are processed ``chunk_size`` at a time: each chunk's logits are computed, reduced to its
@@ -209,11 +209,18 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     ``hidden`` and ``weight``, then freed. Backward only scales those gradients. Peak extra memory:
     one chunk of logits plus an fp32 gradient of ``weight``.
 
+    Every chunk reads and writes the whole fp32 weight gradient once, so fewer, larger chunks are
+    faster: at a 128k vocabulary and 16k rows of 4096 on an H100, the default 8192 rows took 79-80 ms
+    with 4.9 GiB extra, torch's ``F.cross_entropy(hidden @ weight.T)`` 81-84 ms with 10.6 GiB, and
+    2048 rows 83-84 ms with 2.0 GiB (``benchmarks/cross_entropy.py``). Lower ``chunk_size`` when
+    memory is scarcer than time.
+
     Args:
         hidden: (N, H) final hidden states (any float dtype; bf16 in training).
         weight: (V, H) output projection (an LM head's weight; tied embeddings work).
         target: (N,) class indices.
         reduction: "mean" (over non-ignored rows) or "sum".
+        chunk_size: rows per chunk (see above).
 
     Raises:
         ValueError: shapes that do not fit, or ``reduction="none"``.

@@ -9,6 +9,7 @@ bit for bit, since the copies are exact.
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -307,3 +308,20 @@ def test_host_parameter_with_a_device_gradient_is_refused():
                                state["exp_avg_sq"], HYPER, 0)
     with pytest.raises(ValueError, match="param and grad must both be there, or both on the CPU"):
         queue.submit([update])
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_a_waited_update_lets_its_gradient_go(device):
+    """Once its ticket is waited for, the queue holds none of the update's tensors: a gradient on the GPU is
+    freed then, not at the next submit (the next forward needs that memory)."""
+    queue = ops.OffloadQueue(torch.device(device), dtypes={torch.bfloat16}, chunk_numel=1000, slots=3, num_threads=2)
+    states = [_state(3000, torch.bfloat16, device, seed) for seed in range(2)]
+    updates = [_update(s, device)._replace(grad=s["grad"].to(device, copy=True)) for s in states]  # ours alone
+    grads = [weakref.ref(u.grad) for u in updates]
+    tickets = queue.submit(updates)
+    del updates
+    tickets[0].wait()
+    assert grads[0]() is None, "the queue still holds the gradient of a finished, waited-for update"
+    tickets[1].wait()
+    tickets[1].wait()  # a second wait is harmless
+    assert grads[1]() is None

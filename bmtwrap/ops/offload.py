@@ -7,8 +7,9 @@ module is only the queue's checked entry point into the extension.
 
 from __future__ import annotations
 
+import functools
 import numbers
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -31,11 +32,12 @@ class OffloadUpdate(NamedTuple):
 class OffloadTicket:
     """One submitted update: :meth:`wait` for it before reading its parameter."""
 
-    __slots__ = ("_ticket", "_device")
+    __slots__ = ("_ticket", "_device", "_release")
 
-    def __init__(self, ticket: object, device: torch.device) -> None:
+    def __init__(self, ticket: object, device: torch.device, release: Callable[[], None] | None = None) -> None:
         self._ticket = ticket
         self._device = device
+        self._release = release  # drops the queue's references to the update's tensors
 
     def done(self) -> bool:
         """Whether the update has finished on the host (on a GPU: its copy back is queued)."""
@@ -50,6 +52,10 @@ class OffloadTicket:
         if self._ticket is not None:
             stream = _ext.current_raw_stream(self._device.index) if self._device.type == "cuda" else 0
             self._ticket.wait(stream)
+        if self._release is not None:
+            # Done on the host: its gradient (on a GPU, memory the next forward needs) can go now.
+            self._release()
+            self._release = None
 
 
 class OffloadQueue:
@@ -66,7 +72,8 @@ class OffloadQueue:
     It takes the newest update first (or by priority, see :meth:`prioritise`); updates of the same
     buffers always run in the order they were submitted.
     See [Note: offload queue] in ``csrc/cpu/offload.cpp``. The queue keeps each update's tensors
-    alive until it is done. Without the compiled extension (or its CUDA half, for a GPU) every
+    alive until it is done: until its ticket is waited for, or a later submit finds it done (so
+    that a gradient on the GPU is freed before the next forward needs the memory). Without the compiled extension (or its CUDA half, for a GPU) every
     update runs synchronously in :meth:`submit`, through :func:`adam_step_cpu`.
 
     Args:
@@ -91,7 +98,10 @@ class OffloadQueue:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self._itemsize = max([d.itemsize for d in dtypes] + [2])
-        self._held: list[tuple[object, tuple[torch.Tensor, ...]]] = []
+        # Each queued update's tensors, until it is waited for or found done (keyed by submission number;
+        # changed in place only: the tickets hold its pop).
+        self._held: dict[int, tuple[object, tuple[torch.Tensor, ...]]] = {}
+        self._submitted = 0
         self._extension = _ext.extension_for(device)
         self._queue = None
         if self._extension is not None:
@@ -134,12 +144,16 @@ class OffloadQueue:
             ready = 0
         else:
             ready = _ext.current_raw_stream(self.device.index) if ready_stream is None else ready_stream.cuda_stream
-        self._held = [(t, keep) for t, keep in self._held if not t.done()]
+        for key in [key for key, (ticket, _) in self._held.items() if ticket.done()]:
+            del self._held[key]
         tickets = self._queue.submit(specs, ready)
-        self._held.extend((t, tuple(u[:5])) for t, u in zip(tickets, updates))
+        keys = range(self._submitted, self._submitted + len(tickets))
+        self._submitted += len(tickets)
+        self._held.update((key, (t, tuple(u[:5]))) for key, t, u in zip(keys, tickets, updates))
         # The parameters change behind autograd's back: copies gathered from the old values are stale.
         torch.autograd.graph.increment_version([u.param for u in updates])
-        return [OffloadTicket(t, self.device) for t in tickets]
+        return [OffloadTicket(t, self.device, functools.partial(self._held.pop, key, None))
+                for key, t in zip(keys, tickets)]
 
     def prioritise(self) -> None:
         """From now until the queue is next empty, run the lowest ``priority`` first instead of the newest
@@ -151,7 +165,7 @@ class OffloadQueue:
         """Block until every update is done on the host; raise if one failed since the last check."""
         if self._queue is not None:
             self._queue.wait_all()
-            self._held = []
+            self._held.clear()
 
     def stats(self) -> dict[str, float]:
         """Where the worker's time went since the queue was made: ``adam_s`` (in the Adam kernel),
