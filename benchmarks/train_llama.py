@@ -37,6 +37,9 @@ SIZES = {
                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+    # The 13b layers, 32 of them: 10.1 B parameters.
+    "10b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=32, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
     # Llama-2-13B's layers with Llama 3's grouped-query attention and vocabulary: 12.3 B parameters.
     "13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
                 num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
@@ -122,7 +125,11 @@ def main() -> None:
                         help="keep parameter shards in host memory too (wrap(offload_params=True))")
     parser.add_argument("--profile", action="store_true",
                         help="profile one more step after the timed ones and report how busy the GPU was")
+    parser.add_argument("--auto-headroom", type=float, default=None,
+                        help="share of the GPU that offload_fraction='auto' leaves free (default: the optimizer's)")
     args = parser.parse_args()
+    if args.auto_headroom is not None:
+        bmt.optim.adam.AUTO_HEADROOM = args.auto_headroom
     fraction = args.offload_fraction if args.offload_fraction == "auto" else float(args.offload_fraction)
 
     ctx = bmt.init_distributed(seed=0, zero_level=args.zero_level)
@@ -155,7 +162,7 @@ def main() -> None:
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq),
                         generator=torch.Generator().manual_seed(ctx.rank)).to(ctx.device)
     torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, peaks = [], []
     for i in range(args.warmup + args.steps):
         if i == args.warmup and offloading:
             stats_before = optimizer.offload_stats()
@@ -165,6 +172,11 @@ def main() -> None:
         torch.cuda.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
+        peaks.append(torch.cuda.max_memory_allocated())
+        torch.cuda.reset_peak_memory_stats()
+        if i == 0 and getattr(optimizer, "auto_report", None):
+            bmt.print_rank(f"offload_fraction='auto' decided: {optimizer.auto_report}, first step's peak "
+                           f"{peaks[0] / 2**30:.2f} GiB", flush=True)
     cpu = {}
     if offloading:
         optimizer.wait()  # the last step's CPU updates
@@ -185,7 +197,8 @@ def main() -> None:
         offload_fraction=round(optimizer.offload_fraction, 3) if offloading else args.offload_fraction,
         offload_params=args.offload_params, step_s=round(step_s, 4), tok_s_gpu=round(tokens / step_s, 1),
         mfu=round(per_token * tokens / step_s / PEAK_FLOPS, 4),
-        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), loss=round(loss.item(), 4),
+        peak_gib=round(max(peaks) / 2**30, 2), step_peaks_gib=[round(p / 2**30, 1) for p in peaks],
+        loss=round(loss.item(), 4),
         plan_gib=round(planned.total / 2**30, 2), plan_host_gib=round(planned.host / 2**30, 2),
         host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2), **cpu, **busy,
     )), flush=True)

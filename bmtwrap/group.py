@@ -123,8 +123,10 @@ class FlatBuffer:
         self.state = ShardState.SHARDED
         self._gather: Optional[Pending] = None
         self._gathered_version = -1
-        self._grad_flat: Optional[torch.Tensor] = None  # the tensor our assigned .grad views share
-        self._grad_views: List[Optional[torch.Tensor]] = []
+        # The tensor our assigned .grad views share, and those views: weak, so that a gradient set to
+        # None (zero_grad, an optimizer that took it) frees its memory; each view holds the flat tensor.
+        self._grad_flat: Optional["weakref.ref[torch.Tensor]"] = None
+        self._grad_views: List["weakref.ref[torch.Tensor]"] = []
         self._gaps = _padding_ranges(layout)
         # False while the shard holds no values yet (a model built on the meta device); set by
         # materialisation or loading. Gathering garbage would train on it silently.
@@ -310,15 +312,18 @@ class FlatBuffer:
         params = [s.param for s in slots]
         if self.offloaded:
             shard = self._to_host(shard, wait=not all(p.grad is None for p in params))
-        if (self._grad_flat is not None and len(params) == len(self._grad_views)
-                and all(p.grad is v for p, v in zip(params, self._grad_views))):
-            self._grad_flat.add_(shard)
+        flat = self._grad_flat() if self._grad_flat is not None else None
+        if (flat is not None and len(params) == len(self._grad_views)
+                and all(p.grad is not None and p.grad is v() for p, v in zip(params, self._grad_views))):
+            flat.add_(shard)
             return
         if all(p.grad is None for p in params):
-            self._grad_flat = shard
-            self._grad_views = [shard[s.piece.shard_start : s.piece.shard_end] for s in slots]
-            for p, view in zip(params, self._grad_views):
+            views = [shard[s.piece.shard_start : s.piece.shard_end] for s in slots]
+            for p, view in zip(params, views):
+                view._bmtwrap_flat_grad = shard  # the flat tensor lives as long as a view does
                 p.grad = view
+            self._grad_flat = weakref.ref(shard)
+            self._grad_views = [weakref.ref(v) for v in views]
             return
         self._grad_flat = None
         for slot in slots:

@@ -55,11 +55,12 @@ def test_bf16_training_matches_unwrapped_on_two_gpus():
 @pytest.mark.cuda
 @pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU")
 def test_automatic_offload_fraction_on_one_gpu():
-    """offload_fraction="auto": after the first step the state that fits (here all of it) is on the GPU, and
-    training is the fused optimizer's (CPU and CUDA kernels round differently in fp32: 1e-5 on masters)."""
+    """offload_fraction="auto" with step_in_backward: the state that fits (here all of it) is on the GPU, made
+    there during the first backward and never on the host, and training is the fused optimizer's (CPU and
+    CUDA kernels round differently in fp32: 1e-5 on masters)."""
     r = run_cases("parity.py", 1, "cuda-bf16", "offload_auto_matches_adam")["offload_auto_matches_adam"]
     assert "error" not in r, r.get("error")
-    assert r["gpu_state_fraction"] == 1.0, r
+    assert r["gpu_state_fraction"] == 1.0 and r["host_state_elements"] == 0, r
     assert r["master_max_rel"] <= 1e-5 and r["loss_max_rel"] <= 1e-3 and r["param_max_abs"] <= 2**-7, r
 
 

@@ -17,6 +17,10 @@ from . import _ext
 from .adam_cpu import _check_adam_hyper, adam_step_cpu
 
 
+# Finished updates are looked for once every this many waits (a look costs one call per queued update).
+_DROP_EVERY = 16
+
+
 class OffloadUpdate(NamedTuple):
     """One parameter shard's update for :class:`OffloadQueue`."""
 
@@ -98,10 +102,10 @@ class OffloadQueue:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self._itemsize = max([d.itemsize for d in dtypes] + [2])
-        # Each queued update's tensors, until it is waited for or found done (keyed by submission number;
-        # changed in place only: the tickets hold its pop).
+        # Each queued update's tensors, until it is waited for or found done (keyed by submission number).
         self._held: dict[int, tuple[object, tuple[torch.Tensor, ...]]] = {}
         self._submitted = 0
+        self._waits = 0
         self._extension = _ext.extension_for(device)
         self._queue = None
         if self._extension is not None:
@@ -144,16 +148,26 @@ class OffloadQueue:
             ready = 0
         else:
             ready = _ext.current_raw_stream(self.device.index) if ready_stream is None else ready_stream.cuda_stream
-        for key in [key for key, (ticket, _) in self._held.items() if ticket.done()]:
-            del self._held[key]
+        self._drop_done()
         tickets = self._queue.submit(specs, ready)
         keys = range(self._submitted, self._submitted + len(tickets))
         self._submitted += len(tickets)
         self._held.update((key, (t, tuple(u[:5]))) for key, t, u in zip(keys, tickets, updates))
         # The parameters change behind autograd's back: copies gathered from the old values are stale.
         torch.autograd.graph.increment_version([u.param for u in updates])
-        return [OffloadTicket(t, self.device, functools.partial(self._held.pop, key, None))
-                for key, t in zip(keys, tickets)]
+        return [OffloadTicket(t, self.device, functools.partial(self._waited, key)) for key, t in zip(keys, tickets)]
+
+    def _waited(self, key: int) -> None:
+        """An update was waited for: drop its tensors, and every few waits those of all finished updates
+        (the next forward waits for its blocks in order, while the worker finishes later ones too)."""
+        self._held.pop(key, None)
+        self._waits += 1
+        if self._waits % _DROP_EVERY == 0:
+            self._drop_done()
+
+    def _drop_done(self) -> None:
+        for key in [key for key, (ticket, _) in self._held.items() if ticket.done()]:
+            del self._held[key]
 
     def prioritise(self) -> None:
         """From now until the queue is next empty, run the lowest ``priority`` first instead of the newest

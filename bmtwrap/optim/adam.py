@@ -27,7 +27,7 @@ from .nonfinite import NonFiniteGradientError, any_nonfinite, check_choice, desc
 __all__ = ["AdamOffloadOptimizer", "AdamOptimizer"]
 
 # offload_fraction="auto" leaves this share of the GPU free (see [Note: automatic offload fraction]).
-AUTO_HEADROOM = 0.08
+AUTO_HEADROOM = 0.12
 
 
 def _check_params(params: List[torch.Tensor], who: str) -> None:
@@ -307,10 +307,12 @@ class AdamOffloadOptimizer(_AdamBase):
             first (the parameters outside blocks, then the first blocks): their CPU updates are
             the last of a step's backward and the first its next forward waits for. Parameters
             offloaded by ``wrap(offload_params=True)`` are always updated on the CPU. ``"auto"``:
-            after the first step, the state that fits in the GPU memory the step left unused
-            (keeping ``AUTO_HEADROOM`` of the card free) moves to the GPU, the first-needed first
-            (see [Note: automatic offload fraction]); :attr:`offload_fraction` then tells the share
-            left on the CPU. On a machine without a GPU, ``"auto"`` is 1.
+            the state that fits in the GPU memory the first step leaves unused (keeping
+            ``AUTO_HEADROOM`` of the card free) stays on the GPU, the first-needed first; with
+            ``step_in_backward`` it is decided during the first backward and that state is never
+            made on the host, otherwise it moves there after the first step (see [Note: automatic
+            offload fraction]); :attr:`offload_fraction` then tells the share left on the CPU. On a
+            machine without a GPU, ``"auto"`` is 1.
         hold_steps: as :class:`AdamOptimizer`.
         nonfinite: as :class:`AdamOptimizer`. With ``step_in_backward=True`` a block is updated
             before the rest of the gradient exists: its gradient is checked on the GPU as it is
@@ -379,6 +381,8 @@ class AdamOffloadOptimizer(_AdamBase):
             # What checkpoint="auto" must leave free for this state ([Note: who gets the GPU memory left]).
             engine().claim_gpu_memory(self, sum(p.numel() * _gpu_state_bytes(p) for p in all_params if p.is_cuda))
         self.offload_fraction = offload_fraction  # the share of the elements whose state is on the CPU
+        # offload_fraction="auto": what the decision saw and chose (set once it is made).
+        self.auto_report: Optional[Dict[str, Any]] = None
         self.step_in_backward = step_in_backward
         if step_in_backward:
             if not is_initialized():
@@ -412,19 +416,28 @@ class AdamOffloadOptimizer(_AdamBase):
         return kept
 
     def _settle_fraction(self) -> None:
-        """``offload_fraction="auto"``, after the first step: move to the GPU the state that fits there.
+        """``offload_fraction="auto"``: keep on the GPU the state that fits there.
 
         [Note: automatic offload fraction]
         The first step shows the most memory training needs on this GPU
         (``torch.cuda.max_memory_allocated``: parameters, gathered blocks, gradients, activations and
-        recomputation). What is left of the card, less ``AUTO_HEADROOM`` of it for the allocator's
-        fragmentation and later variation (another sequence length), and less the activations that
-        ``checkpoint="auto"`` keeps from the second step on, holds optimizer state: 12 bytes per
-        element (fp32 master, two moments; 8 for an fp32 parameter, its own master), given to the
-        parameters the next forward needs first, as a fixed ``offload_fraction`` would. (That state
-        has first call on the memory: [Note: who gets the GPU memory left] in ``schedule.py``.) Their
-        state is moved once, after the first step's CPU updates are done; from then on they are
-        updated on the GPU by the fused kernel, and the rest on the CPU.
+        recomputation). With ``step_in_backward`` the decision is made when the first backward hands
+        over its first gradient: the loss and the last block's recomputation, the peak of a
+        checkpointed step, are behind it, and no state exists yet, so the state that stays on the GPU
+        is made there and never on the host (a model whose whole state would not fit the host still
+        trains); the bytes of that state stay claimed until it exists (end of the first step).
+        Otherwise it is made after the first step, and the state then moves. What is left of the
+        card, less ``AUTO_HEADROOM`` of it for the allocator's
+        fragmentation and later variation (another sequence length), less the activations that
+        ``checkpoint="auto"`` keeps from the second step on, and less the gradients of the parameters
+        updated on the CPU (each waits on the GPU until the CPU takes it: when the CPU is the slower
+        side, a backward's worth is waiting at its end, and into the next forward), holds optimizer
+        state: 12 bytes per element (fp32 master, two moments; 8 for an fp32 parameter, its own
+        master), less the gradient it spares, given to the parameters the next forward needs first,
+        as a fixed ``offload_fraction`` would. (That state
+        has first call on the memory: [Note: who gets the GPU memory left] in ``schedule.py``.) State
+        that already exists is moved once, after the CPU updates so far are done; from then on those
+        parameters are updated on the GPU by the fused kernel, and the rest on the CPU.
         """
         self._auto_fraction = False
         params = [p for g in self.param_groups for p in g["params"]]
@@ -433,12 +446,23 @@ class AdamOffloadOptimizer(_AdamBase):
             return
         device = cuda[0].device
         total = torch.cuda.get_device_properties(device).total_memory
-        budget = total * (1.0 - AUTO_HEADROOM) - torch.cuda.max_memory_allocated(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        budget = total * (1.0 - AUTO_HEADROOM) - peak
         if is_initialized():
             # Activations checkpoint="auto" decided to keep from the second step on.
             budget -= engine().kept_activation_bytes
-            engine().claim_gpu_memory(self, 0)
-        kept = self._first_needed(lambda p: p.numel() * _gpu_state_bytes(p), budget)
+        # The gradient of a parameter updated on the CPU stays on the GPU until the CPU takes it, up
+        # to a backward's worth when the CPU is the slower side (and into the next forward): room
+        # for those, less what each parameter kept on the GPU spares.
+        budget -= sum(p.numel() * p.element_size() for p in cuda)
+        kept = self._first_needed(lambda p: p.numel() * (_gpu_state_bytes(p) - p.element_size()), budget)
+        kept_bytes = sum(p.numel() * _gpu_state_bytes(p) for p in params if id(p) in kept)
+        self.auto_report = dict(gpu_bytes=total, peak_bytes=peak, headroom=AUTO_HEADROOM, state_bytes_on_gpu=kept_bytes,
+                                params_on_gpu=len(kept), params=len(params))
+        if is_initialized():
+            # The state not made yet keeps its claim until the end of this step.
+            engine().claim_gpu_memory(self, sum(p.numel() * _gpu_state_bytes(p) for p in params
+                                                if id(p) in kept and not self.state[p]))
         if not kept:
             return
         self.wait()  # the CPU updates of the first step are written back
@@ -512,6 +536,8 @@ class AdamOffloadOptimizer(_AdamBase):
 
     def _grads_final(self, buffer: Any) -> None:
         """The engine's report, during backward: ``buffer``'s gradient shard is final."""
+        if self._auto_fraction:
+            self._settle_fraction()  # the first backward is past its peak ([Note: automatic offload fraction])
         work = []
         for slot in buffer.slots:
             p = slot.param
@@ -584,6 +610,8 @@ class AdamOffloadOptimizer(_AdamBase):
         self._end_step()
         if self._auto_fraction:
             self._settle_fraction()
+        elif is_initialized():
+            engine().claim_gpu_memory(self, 0)  # the state kept on the GPU exists now
         if self._offload.device.type == "cpu" and not self.step_in_backward:
             self.wait()  # nothing to overlap with on a CPU-only machine
         return loss

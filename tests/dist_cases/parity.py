@@ -131,6 +131,15 @@ def offload_matches_adam(other: str, offload_params: bool = False) -> Dict[str, 
     data = torch.randint(0, 64, (12, 17), generator=torch.Generator().manual_seed(9)).to(DEVICE)
     share = data[rank * (12 // world) : (rank + 1) * (12 // world)]
     results = []
+    host_elements = []  # elements of optimizer state made in host memory
+    import bmtwrap.optim.adam as adam_module
+    made_on_host = adam_module.host_zeros
+
+    def counted(numel: int) -> torch.Tensor:
+        host_elements.append(numel)
+        return made_on_host(numel)
+
+    adam_module.host_zeros = counted
     for name in ("adam", other):
         _, model = build(DTYPE, offload_params=offload_params and name == other)
         opt = OPTIMIZERS[name](model.parameters())
@@ -146,10 +155,12 @@ def offload_matches_adam(other: str, offload_params: bool = False) -> Dict[str, 
         masters = torch.cat([opt.state[p]["master"].float().cpu().view(-1) for p in model.parameters()
                              if p in opt.state and "master" in opt.state[p]])
         results.append((losses, bmt.full_state_dict(model), masters))
+    adam_module.host_zeros = made_on_host
     on_gpu = [opt.state[p]["exp_avg"].is_cuda for p in model.parameters() if p in opt.state]
     sizes = [p.numel() for p in model.parameters() if p in opt.state]
     (l1, s1, m1), (l2, s2, m2) = results
     return {"gpu_state_fraction": sum(n for n, g in zip(sizes, on_gpu) if g) / sum(sizes),
+            "host_state_elements": sum(host_elements),
             "loss_max_rel": max(abs(a - b) / abs(a) for a, b in zip(l1, l2)),
             "param_max_abs": max((s1[k].float() - s2[k].float()).abs().max().item() for k in s1),
             "master_max_rel": ((m1 - m2).abs().max() / m1.abs().max()).item()}
