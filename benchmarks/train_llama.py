@@ -83,9 +83,10 @@ def profile_step(run: Callable[[], Any]) -> Dict[str, float]:
         run()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    gpu = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    copies = [e for e in gpu if "memcpy" in e.name.lower() or "memset" in e.name.lower()]
-    kernels = [e for e in gpu if e not in copies]
+    copies, kernels = [], []
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            (copies if "memcpy" in e.name.lower() or "memset" in e.name.lower() else kernels).append(e)
 
     def union(events: List[Any]) -> Tuple[float, float]:
         spans = sorted((e.time_range.start, e.time_range.end) for e in events)

@@ -28,8 +28,8 @@ from typing import Dict, List
 
 import torch
 
-__all__ = ["DEFAULT_CHUNK_NUMEL", "DEFAULT_SLOTS", "PINNED", "OffloadPolicy", "PinnedPool", "advise_huge_pages",
-           "host_empty", "host_zeros"]
+__all__ = ["DEFAULT_CHUNK_NUMEL", "DEFAULT_SLOTS", "PINNED", "OffloadPolicy", "PinnedPool", "adam_state_bytes",
+           "advise_huge_pages", "host_empty", "host_zeros"]
 
 # Chunks of 16 Mi elements: 32 MiB of bf16 gradient, a few milliseconds of CPU Adam; large enough
 # that per-chunk overheads vanish, small enough that the first chunk of a step starts early.
@@ -39,6 +39,12 @@ DEFAULT_SLOTS = 4
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # linux/mman.h
 _CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
+
+
+def adam_state_bytes(dtype: torch.dtype) -> int:
+    """Bytes per element of Adam's state for a parameter of ``dtype``: two fp32 moments, plus an fp32
+    master for a 16-bit parameter (an fp32 one is its own master)."""
+    return 8 if dtype == torch.float32 else 12
 
 
 @dataclass(frozen=True)
@@ -79,8 +85,7 @@ def host_empty(numel: int, dtype: torch.dtype, *, pinned: bool) -> torch.Tensor:
     :data:`PINNED`, in exactly the bytes asked for."""
     if not pinned:
         return torch.empty(numel, dtype=dtype)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return torch.frombuffer(PINNED.take(numel * itemsize), dtype=dtype, count=numel) if numel else \
+    return torch.frombuffer(PINNED.take(numel * dtype.itemsize), dtype=dtype, count=numel) if numel else \
         torch.empty(0, dtype=dtype, pin_memory=True)
 
 
@@ -116,8 +121,9 @@ class PinnedPool:
             address = free.pop() if free else None
             handle = self._handles.get(nbytes)
             if handle is None:
+                give_back = lambda block: self.put(ctypes.addressof(block), nbytes)  # noqa: E731
                 handle = self._handles[nbytes] = type("PinnedBlock", (ctypes.c_ubyte * nbytes,),
-                                                      {"__del__": _give_back, "__slots__": ()})
+                                                      {"__del__": give_back, "__slots__": ()})
         if address is None:
             address = self._register(nbytes)
         return handle.from_address(address)
@@ -142,10 +148,6 @@ class PinnedPool:
             self._backing.append(backing)
             self.registered_bytes += nbytes
         return backing.data_ptr()
-
-
-def _give_back(handle: "ctypes.Array") -> None:
-    PINNED.put(ctypes.addressof(handle), ctypes.sizeof(handle))
 
 
 PINNED = PinnedPool()

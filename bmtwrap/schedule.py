@@ -225,8 +225,9 @@ class Engine:
         slower side of an offloaded step. So the optimizer claims the bytes of all its state when it
         is built; ``checkpoint="auto"``, deciding during the first backward, keeps activations only in
         the memory beyond that claim and records what it kept (:attr:`kept_activation_bytes`), which
-        the optimizer then leaves free when it settles after the first step. The claim is
-        withdrawn then, or with the optimizer.
+        the optimizer leaves free when it settles. Once settled, the optimizer claims only the state
+        it decided to keep on the GPU but has not made yet, and withdraws the claim at the end of
+        the first step (or with the optimizer).
         """
         if nbytes > 0:
             self._gpu_claims[owner] = nbytes

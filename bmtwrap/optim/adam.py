@@ -20,7 +20,7 @@ from torch.autograd.graph import increment_version
 from .. import ops
 from ..dist import is_initialized
 from ..group import ROOT_LABEL
-from ..offload import DEFAULT_CHUNK_NUMEL, DEFAULT_SLOTS, OffloadPolicy, host_zeros
+from ..offload import DEFAULT_CHUNK_NUMEL, DEFAULT_SLOTS, OffloadPolicy, adam_state_bytes, host_zeros
 from ..schedule import engine
 from .nonfinite import NonFiniteGradientError, any_nonfinite, check_choice, describe_nonfinite
 
@@ -60,12 +60,6 @@ def _offload_policy(registry: Any, param: torch.Tensor) -> OffloadPolicy:
     """What the flat buffer holding ``param`` keeps on the host; nothing for a parameter outside every buffer."""
     found = registry.lookup(param) if registry is not None else None
     return found[0].offload if found is not None else OffloadPolicy()
-
-
-def _gpu_state_bytes(p: torch.Tensor) -> int:
-    """Bytes per element of ``p``'s Adam state on the GPU: master and two moments in fp32 (an fp32
-    parameter is its own master)."""
-    return 8 if p.dtype == torch.float32 else 12
 
 
 def _update_in_place(p: torch.Tensor, state: Dict[str, Any], hyper: Dict[str, Any]) -> None:
@@ -379,7 +373,7 @@ class AdamOffloadOptimizer(_AdamBase):
         self._on_gpu = self._kept_on_gpu(offload_fraction)
         if self._auto_fraction and registry is not None:
             # What checkpoint="auto" must leave free for this state ([Note: who gets the GPU memory left]).
-            engine().claim_gpu_memory(self, sum(p.numel() * _gpu_state_bytes(p) for p in all_params if p.is_cuda))
+            engine().claim_gpu_memory(self, sum(p.numel() * adam_state_bytes(p.dtype) for p in all_params if p.is_cuda))
         self.offload_fraction = offload_fraction  # the share of the elements whose state is on the CPU
         # offload_fraction="auto": what the decision saw and chose (set once it is made).
         self.auto_report: Optional[Dict[str, Any]] = None
@@ -426,18 +420,21 @@ class AdamOffloadOptimizer(_AdamBase):
         checkpointed step, are behind it, and no state exists yet, so the state that stays on the GPU
         is made there and never on the host (a model whose whole state would not fit the host still
         trains); the bytes of that state stay claimed until it exists (end of the first step).
-        Otherwise it is made after the first step, and the state then moves. What is left of the
-        card, less ``AUTO_HEADROOM`` of it for the allocator's
-        fragmentation and later variation (another sequence length), less the activations that
-        ``checkpoint="auto"`` keeps from the second step on, and less the gradients of the parameters
-        updated on the CPU (each waits on the GPU until the CPU takes it: when the CPU is the slower
-        side, a backward's worth is waiting at its end, and into the next forward), holds optimizer
-        state: 12 bytes per element (fp32 master, two moments; 8 for an fp32 parameter, its own
-        master), less the gradient it spares, given to the parameters the next forward needs first,
-        as a fixed ``offload_fraction`` would. (That state
-        has first call on the memory: [Note: who gets the GPU memory left] in ``schedule.py``.) State
-        that already exists is moved once, after the CPU updates so far are done; from then on those
-        parameters are updated on the GPU by the fused kernel, and the rest on the CPU.
+        Otherwise it is decided after the first step, and the state then moves.
+
+        What is left of the card holds optimizer state, less:
+        - ``AUTO_HEADROOM`` of the card, for the allocator's fragmentation and later variation
+          (another sequence length);
+        - the activations ``checkpoint="auto"`` keeps from the second step on;
+        - the gradients of the parameters updated on the CPU: each waits on the GPU until the CPU
+          takes it, and when the CPU is the slower side a backward's worth waits at its end, and
+          into the next forward.
+        The state takes 12 bytes per element (fp32 master, two moments; 8 for an fp32 parameter,
+        its own master), less the gradient it spares, and goes to the parameters the next forward
+        needs first, as a fixed ``offload_fraction`` would. (It has first call on the memory:
+        [Note: who gets the GPU memory left] in ``schedule.py``.) State that already exists is
+        moved once, after the CPU updates so far are done; from then on those parameters are
+        updated on the GPU by the fused kernel, and the rest on the CPU.
         """
         self._auto_fraction = False
         params = [p for g in self.param_groups for p in g["params"]]
@@ -455,13 +452,13 @@ class AdamOffloadOptimizer(_AdamBase):
         # to a backward's worth when the CPU is the slower side (and into the next forward): room
         # for those, less what each parameter kept on the GPU spares.
         budget -= sum(p.numel() * p.element_size() for p in cuda)
-        kept = self._first_needed(lambda p: p.numel() * (_gpu_state_bytes(p) - p.element_size()), budget)
-        kept_bytes = sum(p.numel() * _gpu_state_bytes(p) for p in params if id(p) in kept)
+        kept = self._first_needed(lambda p: p.numel() * (adam_state_bytes(p.dtype) - p.element_size()), budget)
+        kept_bytes = sum(p.numel() * adam_state_bytes(p.dtype) for p in params if id(p) in kept)
         self.auto_report = dict(gpu_bytes=total, peak_bytes=peak, headroom=AUTO_HEADROOM, state_bytes_on_gpu=kept_bytes,
                                 params_on_gpu=len(kept), params=len(params))
         if is_initialized():
             # The state not made yet keeps its claim until the end of this step.
-            engine().claim_gpu_memory(self, sum(p.numel() * _gpu_state_bytes(p) for p in params
+            engine().claim_gpu_memory(self, sum(p.numel() * adam_state_bytes(p.dtype) for p in params
                                                 if id(p) in kept and not self.state[p]))
         if not kept:
             return

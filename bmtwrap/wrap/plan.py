@@ -36,7 +36,7 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Set, Tuple, Union
 import torch
 from torch import nn
 
-from ..offload import DEFAULT_CHUNK_NUMEL, DEFAULT_SLOTS
+from ..offload import DEFAULT_CHUNK_NUMEL, DEFAULT_SLOTS, adam_state_bytes
 from ..param import build_layout
 from .detect import LayerPolicy, find_blocks
 
@@ -275,10 +275,6 @@ def _vocab_size(model: nn.Module) -> Optional[int]:
 # --- the estimate ------------------------------------------------------------------------------
 
 
-def _adam_bytes(dtype: torch.dtype) -> int:
-    return 8 if dtype == torch.float32 else 12  # two fp32 moments, plus an fp32 master for 16-bit parameters
-
-
 class _Groups(NamedTuple):
     root: List[_Buffer]
     blocks: List[List[_Buffer]]
@@ -325,7 +321,7 @@ def _rank_bytes(groups: _Groups, offload: OffloadOptions, rank: int) -> Dict[str
             continue
         for index, numel in enumerate(buffer.owned[rank]):
             where = "optimizer" if (id(buffer), index) in on_gpu else "host_state"
-            out[where] += numel * _adam_bytes(buffer.dtype)
+            out[where] += numel * adam_state_bytes(buffer.dtype)
     return out
 
 

@@ -140,22 +140,24 @@ def offload_matches_adam(other: str, offload_params: bool = False) -> Dict[str, 
         return made_on_host(numel)
 
     adam_module.host_zeros = counted
-    for name in ("adam", other):
-        _, model = build(DTYPE, offload_params=offload_params and name == other)
-        opt = OPTIMIZERS[name](model.parameters())
-        losses = []
-        for _ in range(STEPS):
-            opt.zero_grad()
-            loss = model.loss(share)
-            loss.backward()
-            opt.step()
-            losses.append(bmt.sum_loss(loss).item())
-        if name != "adam":
-            opt.wait()
-        masters = torch.cat([opt.state[p]["master"].float().cpu().view(-1) for p in model.parameters()
-                             if p in opt.state and "master" in opt.state[p]])
-        results.append((losses, bmt.full_state_dict(model), masters))
-    adam_module.host_zeros = made_on_host
+    try:
+        for name in ("adam", other):
+            _, model = build(DTYPE, offload_params=offload_params and name == other)
+            opt = OPTIMIZERS[name](model.parameters())
+            losses = []
+            for _ in range(STEPS):
+                opt.zero_grad()
+                loss = model.loss(share)
+                loss.backward()
+                opt.step()
+                losses.append(bmt.sum_loss(loss).item())
+            if name != "adam":
+                opt.wait()
+            masters = torch.cat([opt.state[p]["master"].float().cpu().view(-1) for p in model.parameters()
+                                 if p in opt.state and "master" in opt.state[p]])
+            results.append((losses, bmt.full_state_dict(model), masters))
+    finally:
+        adam_module.host_zeros = made_on_host
     on_gpu = [opt.state[p]["exp_avg"].is_cuda for p in model.parameters() if p in opt.state]
     sizes = [p.numel() for p in model.parameters() if p in opt.state]
     (l1, s1, m1), (l2, s2, m2) = results
