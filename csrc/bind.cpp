@@ -88,10 +88,10 @@ PYBIND11_MODULE(_C, m) {
            "wait for the copy back. "
            "Raises RuntimeError if the update failed.");
   // param, param_dtype, grad, grad_dtype, master, exp_avg, exp_avg_sq, numel, lr, beta1, beta2, eps,
-  // weight_decay, step, grad_scale, decoupled, priority, on_host
+  // weight_decay, step, grad_scale, decoupled, priority, on_host, grad_on_host
   using UpdateTuple = std::tuple<std::uintptr_t, bmtwrap::DType, std::uintptr_t, bmtwrap::DType, std::uintptr_t,
                                  std::uintptr_t, std::uintptr_t, int64_t, double, double, double, double, double,
-                                 int64_t, double, bool, int64_t, bool>;
+                                 int64_t, double, bool, int64_t, bool, bool>;
   py::class_<OffloadQueue>(m, "OffloadQueue",
                            "Adam updates run chunk by chunk on a C++ worker thread; see csrc/cpu/offload.cpp.")
       .def(py::init([](int device, int64_t chunk_numel, int slots, int64_t grad_bytes, int64_t out_bytes,
@@ -116,18 +116,20 @@ PYBIND11_MODULE(_C, m) {
             specs.reserve(updates.size());
             for (const auto& u : updates) {
               const auto& [param, param_dtype, grad, grad_dtype, master, exp_avg, exp_avg_sq, numel, lr, beta1,
-                           beta2, eps, weight_decay, step, grad_scale, decoupled, priority, on_host] = u;
+                           beta2, eps, weight_decay, step, grad_scale, decoupled, priority, on_host,
+                           grad_on_host] = u;
               specs.push_back({param, param_dtype, grad, grad_dtype, master, exp_avg, exp_avg_sq, numel,
                                {lr, beta1, beta2, eps, weight_decay, step, grad_scale, decoupled}, priority,
-                               on_host});
+                               on_host, grad_on_host});
             }
             return queue.submit(specs, ready_stream);
           },
           "updates"_a, "ready_stream"_a, py::call_guard<py::gil_scoped_release>(),
           "Queue updates, each a tuple (param, param_dtype, grad, grad_dtype, master, exp_avg, exp_avg_sq, numel, "
-          "lr, beta1, beta2, eps, weight_decay, step, grad_scale, decoupled, priority, on_host); on a device, "
-          "gradients are read once ready_stream reaches this point. on_host: param and grad are host memory in a "
-          "queue for a device (updated in place, no staging). Returns one OffloadTicket per update.")
+          "lr, beta1, beta2, eps, weight_decay, step, grad_scale, decoupled, priority, on_host, grad_on_host); on a "
+          "device, gradients are read once ready_stream reaches this point. on_host: param and grad are host memory "
+          "in a queue for a device (updated in place, no staging). grad_on_host: only grad is host memory, copied "
+          "there before ready_stream's point. Returns one OffloadTicket per update.")
       .def("prioritise", &OffloadQueue::prioritise, "Until the queue is next empty, take the lowest priority first instead of the newest.")
       .def("wait_all", &OffloadQueue::wait_all, py::call_guard<py::gil_scoped_release>(),
            "Block until nothing is in flight; raise the first failure since the last call.")

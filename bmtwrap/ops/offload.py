@@ -25,7 +25,7 @@ class OffloadUpdate(NamedTuple):
     """One parameter shard's update for :class:`OffloadQueue`."""
 
     param: torch.Tensor  # the shard, on the queue's device or the CPU; rewritten with the new values
-    grad: torch.Tensor  # its gradient: same device and element count, any float dtype
+    grad: torch.Tensor  # its gradient: same element count, any float dtype; where param is, or on the CPU
     master: torch.Tensor  # the fp32 master on the CPU; ``param`` itself for an fp32 CPU shard
     exp_avg: torch.Tensor  # fp32, CPU
     exp_avg_sq: torch.Tensor  # fp32, CPU
@@ -72,7 +72,10 @@ class OffloadQueue:
     overlapping across chunks; CPU shards are updated in place. A queue for a GPU also takes CPU
     shards whose gradients the current stream is still copying to the host (parameters offloaded
     by ``wrap(offload_params=True)``): it updates them in place once the stream has reached the
-    point of submission. The worker never needs the GIL.
+    point of submission. Likewise a GPU shard's gradient may come already copied to (pinned) host
+    memory by the current stream, so that the GPU memory of a gradient waiting for the CPU is freed
+    at once: the worker reads it there once the stream has reached the point of submission, and
+    copies the new parameters back as usual. The worker never needs the GIL.
     It takes the newest update first (or by priority, see :meth:`prioritise`); updates of the same
     buffers always run in the order they were submitted.
     See [Note: offload queue] in ``csrc/cpu/offload.cpp``. The queue keeps each update's tensors
@@ -142,7 +145,7 @@ class OffloadQueue:
         specs = [(u.param.data_ptr(), _ext.dtype_code(ext, u.param.dtype),
                   u.grad.data_ptr(), _ext.dtype_code(ext, u.grad.dtype),
                   u.master.data_ptr(), u.exp_avg.data_ptr(), u.exp_avg_sq.data_ptr(), u.param.numel(), *h, u.priority,
-                  u.param.device.type == "cpu")
+                  u.param.device.type == "cpu", u.param.is_cuda and u.grad.device.type == "cpu")
                  for u, h in zip(updates, hypers)]
         if self.device.type != "cuda":
             ready = 0
@@ -203,10 +206,13 @@ class OffloadQueue:
             if tensor.numel() != u.param.numel():
                 raise ValueError(f"{name} has {tensor.numel()} elements but param has {u.param.numel()}")
         host = u.param.device.type == "cpu"
+        grad_on_host = u.grad.device.type == "cpu"
         for name in ("param", "grad"):
-            if getattr(u, name).device != u.param.device or not (host or u.param.device == self.device):
-                raise ValueError(f"{name} is on {getattr(u, name).device} but the queue is for {self.device}; param "
-                                 "and grad must both be there, or both on the CPU")
+            device = getattr(u, name).device
+            if device.type != "cpu" and (device != self.device or (name == "grad" and host)):
+                raise ValueError(f"{name} is on {device} but the queue is for {self.device} and param is on "
+                                 f"{u.param.device}; param must be on the queue's device or the CPU, and grad where "
+                                 "param is or on the CPU")
             if getattr(u, name).element_size() > self._itemsize:
                 raise ValueError(f"{name} has dtype {getattr(u, name).dtype}, wider than the dtypes the queue "
                                  "was made for; pass it in dtypes")
@@ -215,8 +221,9 @@ class OffloadQueue:
             raise ValueError("master must be param itself exactly when param is an fp32 CPU tensor; otherwise "
                              "a separate fp32 CPU tensor")
         tensors = {"master": u.master, "exp_avg": u.exp_avg, "exp_avg_sq": u.exp_avg_sq}
-        if host:
+        if grad_on_host:
             tensors["grad"] = u.grad
+        if host:
             if not own_master:
                 tensors["param"] = u.param
         _ext.check_no_shared_memory(tensors)

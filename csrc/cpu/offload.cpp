@@ -20,6 +20,9 @@
 // parameter, if it has its own master, straight into it. So it does for an update marked `on_host` in a queue
 // with a link: parameters offloaded to the host, whose gradients the submitting stream copies there. Such a
 // chunk takes no slot; the worker waits for its `ready` event (which follows the gradient's copy) and runs it.
+// An update marked `grad_on_host` has its parameter on the device but its gradient already copied to the host
+// by the submitting stream (so that the device memory of a gradient waiting for the CPU is freed at once): its
+// chunks skip the fetch, wait for `ready` instead, and take a slot for the output and the put as usual.
 //
 // Order: until prioritise() (the user's step()) the newest task whose gradient the device has already
 // computed goes first (the oldest if none has); from then until the queue empties, the lowest priority, which
@@ -107,6 +110,10 @@ void check_update(const OffloadUpdate& u, const DeviceLink* link, int64_t chunk_
     check_buffer((std::string("OffloadQueue.submit(") + name + ")").c_str(), ptr, u.numel);
   }
   const bool host = link == nullptr || u.on_host;
+  if (u.grad_on_host && host) {
+    throw std::invalid_argument("OffloadQueue.submit: grad_on_host is for a device parameter in a queue for a device; "
+                                "a host parameter's gradient is on the host already");
+  }
   const bool own_master = u.master == u.param;
   if (own_master && (!host || u.param_dtype != DType::kFloat32)) {
     throw std::invalid_argument("OffloadQueue.submit: a parameter can be its own master only on the host and in "
@@ -117,7 +124,7 @@ void check_update(const OffloadUpdate& u, const DeviceLink* link, int64_t chunk_
   }
   if (!host) {
     const int64_t numel = std::min(u.numel, chunk_numel);
-    if (numel * element_bytes(u.grad_dtype) > link->slot_grad_bytes() ||
+    if ((!u.grad_on_host && numel * element_bytes(u.grad_dtype) > link->slot_grad_bytes()) ||
         (u.param_dtype != DType::kFloat32 && numel * element_bytes(u.param_dtype) > link->slot_out_bytes())) {
       throw std::invalid_argument("OffloadQueue.submit: a chunk of this update does not fit the staging slots");
     }
@@ -349,7 +356,7 @@ void OffloadQueue::run_device() {
         const OffloadUpdate& u = chunk.task->update;
         chunk.slot = u.on_host ? -1 : turn++ % link.num_slots();
         staged.push_back(chunk);
-        if (!u.on_host) {
+        if (!u.on_host && !u.grad_on_host) {
           const int64_t bytes = element_bytes(u.grad_dtype);
           link.fetch(chunk.slot, at(u.grad, chunk.start, bytes), (chunk.end - chunk.start) * bytes, chunk.task->ready);
         }
@@ -373,11 +380,16 @@ void OffloadQueue::run_device() {
       const bool rounded = u.param_dtype != DType::kFloat32;
       {
         Timer timer(stalled_ns_);
-        link.wait_fetched(chunk.slot);
+        if (u.grad_on_host) {
+          link.synchronize(chunk.task->ready);  // the gradient's copy to the host was queued before `ready`
+        }
+        link.wait_fetched(chunk.slot);  // with a host gradient: the slot's previous put has left
       }
+      const std::uintptr_t grad = u.grad_on_host ? at(u.grad, chunk.start, element_bytes(u.grad_dtype))
+                                                 : link.slot_grad(chunk.slot);
       {
         Timer timer(adam_ns_);
-        adam_cpu(at(u.master, chunk.start, 4), link.slot_grad(chunk.slot), u.grad_dtype, at(u.exp_avg, chunk.start, 4),
+        adam_cpu(at(u.master, chunk.start, 4), grad, u.grad_dtype, at(u.exp_avg, chunk.start, 4),
                  at(u.exp_avg_sq, chunk.start, 4), n, u.hyper, rounded ? link.slot_out(chunk.slot) : 0,
                  u.param_dtype, num_threads_, CpuIsa::kBest);
       }

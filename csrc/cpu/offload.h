@@ -22,7 +22,7 @@ namespace bmtwrap::cpu {
 struct OffloadUpdate {
   std::uintptr_t param;       // the shard: device memory when the queue has a DeviceLink, host memory otherwise
   DType param_dtype;
-  std::uintptr_t grad;        // its gradient, where param is
+  std::uintptr_t grad;        // its gradient, where param is (or host memory: grad_on_host)
   DType grad_dtype;
   std::uintptr_t master;      // fp32 host master; equal to param for an fp32 host shard that is its own master
   std::uintptr_t exp_avg;     // fp32 host
@@ -33,6 +33,9 @@ struct OffloadUpdate {
   // param and grad are host memory although the queue has a DeviceLink (parameters offloaded to the host, their
   // gradients copied there on the submitting stream): updated in place, without staging, once `ready` is reached.
   bool on_host = false;
+  // Only grad is host memory: the submitting stream copied it there from the device, so the worker reads it once
+  // `ready` is reached instead of fetching it; the new parameter goes back through a staging slot as usual.
+  bool grad_on_host = false;
 };
 
 // The copies between one GPU and pinned host staging; implemented with CUDA in cuda/offload_link.cu. The
