@@ -21,15 +21,16 @@ other way.
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
 __all__ = ["DEFAULT_CHUNK_NUMEL", "DEFAULT_SLOTS", "PINNED", "OffloadPolicy", "PinnedPool", "adam_state_bytes",
-           "advise_huge_pages", "host_empty", "host_zeros"]
+           "advise_huge_pages", "expandable_segments", "host_available_bytes", "host_empty", "host_zeros"]
 
 # Chunks of 16 Mi elements: 32 MiB of bf16 gradient, a few milliseconds of CPU Adam; large enough
 # that per-chunk overheads vanish, small enough that the first chunk of a step starts early.
@@ -152,6 +153,38 @@ class PinnedPool:
 
 PINNED = PinnedPool()
 """The process's pool of exact-size pinned host memory ([Note: exact-size pinned memory])."""
+
+
+def expandable_segments() -> bool:
+    """Turn on the CUDA caching allocator's expandable segments, unless the allocator's configuration is the
+    user's (``PYTORCH_ALLOC_CONF`` or ``PYTORCH_CUDA_ALLOC_CONF`` set); whether they are on.
+
+    An optimizer that fills the card with state (``offload_fraction="auto"``) leaves a few GiB free. With
+    fixed-size segments, blocks freed at one size and asked for at another strand several GiB as reserved
+    but unusable memory; expandable segments map memory in pages as needed, so what is free can be used.
+    Segments made before the call keep their kind.
+    """
+    conf = os.environ.get("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+    if conf is not None:
+        return "expandable_segments:true" in conf.replace(" ", "").lower()
+    try:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    except (AttributeError, RuntimeError):
+        return False  # a torch without the setting, or a backend that refuses it
+    return True
+
+
+def host_available_bytes(meminfo: str = "/proc/meminfo") -> Optional[int]:
+    """The host memory the kernel can still give without swapping (Linux ``MemAvailable``); None where
+    that is not known."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def host_zeros(numel: int) -> torch.Tensor:

@@ -149,3 +149,56 @@ def test_automatic_offload_fraction_without_a_gpu_keeps_everything_on_the_cpu():
             opt.zero_grad()
     assert optimizer.offload_fraction == 1.0
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters()))
+
+
+def test_host_available_memory_is_read_from_meminfo(tmp_path):
+    from bmtwrap.offload import host_available_bytes
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       131072000 kB\nMemFree:         1000 kB\nMemAvailable:   125000000 kB\n")
+    assert host_available_bytes(str(meminfo)) == 125000000 * 1024
+    meminfo.write_text("MemTotal:       131072000 kB\n")
+    assert host_available_bytes(str(meminfo)) is None
+    assert host_available_bytes(str(tmp_path / "missing")) is None
+
+
+def test_automatic_fraction_refuses_state_the_host_cannot_hold():
+    """offload_fraction='auto' raises before making host state larger than the host's available memory,
+    naming both sizes and what to change; it is silent when the state fits or the memory is unknown."""
+    from bmtwrap.optim.adam import _check_host_room
+    _check_host_room(10 << 30, 11 << 30, 0)
+    _check_host_room(10 << 30, None, 0)
+    with pytest.raises(MemoryError, match=r"the CPU\) needs 100\.0 GiB, but the host has 90\.0 GiB available \(the GPU keeps "
+                                          r"30\.0 GiB of it\).*smaller batch"):
+        _check_host_room(100 << 30, 90 << 30, 30 << 30)
+
+
+@pytest.mark.parametrize("env, value, expected, sets", [
+    (None, None, True, True),
+    ("PYTORCH_ALLOC_CONF", "expandable_segments:True", True, False),
+    ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128, expandable_segments: true", True, False),
+    ("PYTORCH_ALLOC_CONF", "max_split_size_mb:128", False, False),
+])
+def test_expandable_segments_unless_the_allocator_is_configured(monkeypatch, env, value, expected, sets):
+    """The optimizer that fills the card turns on expandable segments, but never overrides a configuration
+    the user gave."""
+    from bmtwrap.offload import expandable_segments
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    if env is not None:
+        monkeypatch.setenv(env, value)
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    assert expandable_segments() is expected
+    assert calls == (["expandable_segments:True"] if sets else [])
+
+
+def test_expandable_segments_refused_by_the_backend(monkeypatch):
+    from bmtwrap.offload import expandable_segments
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+
+    def refuse(_):
+        raise RuntimeError("not supported")
+
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", refuse)
+    assert expandable_segments() is False

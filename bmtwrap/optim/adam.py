@@ -20,14 +20,17 @@ from torch.autograd.graph import increment_version
 from .. import ops
 from ..dist import is_initialized
 from ..group import ROOT_LABEL
-from ..offload import DEFAULT_CHUNK_NUMEL, DEFAULT_SLOTS, OffloadPolicy, adam_state_bytes, host_zeros
+from ..offload import (DEFAULT_CHUNK_NUMEL, DEFAULT_SLOTS, OffloadPolicy, adam_state_bytes, expandable_segments,
+                       host_available_bytes, host_empty, host_zeros)
 from ..schedule import engine
 from .nonfinite import NonFiniteGradientError, any_nonfinite, check_choice, describe_nonfinite
 
 __all__ = ["AdamOffloadOptimizer", "AdamOptimizer"]
 
-# offload_fraction="auto" leaves this share of the GPU free (see [Note: automatic offload fraction]).
-AUTO_HEADROOM = 0.12
+# offload_fraction="auto" leaves this share of the GPU free (see [Note: automatic offload fraction]), and
+# this much more where the allocator's segments are of fixed size (fragmentation strands memory there).
+AUTO_HEADROOM = 0.08
+FIXED_SEGMENTS_HEADROOM = 0.04
 
 
 def _check_params(params: List[torch.Tensor], who: str) -> None:
@@ -259,6 +262,20 @@ class AdamOptimizer(_AdamBase):
         return loss
 
 
+def _check_host_room(needed: int, available: Optional[int], on_gpu: int) -> None:
+    """Raise before making ``needed`` bytes of optimizer state (and gradient room) on the host if it has less
+    available: the process would be killed part-way instead."""
+    if available is None or needed <= available:
+        return
+    raise MemoryError(
+        f"AdamOffloadOptimizer(offload_fraction='auto'): the optimizer state left for the host (and the "
+        f"gradients waiting for the CPU) needs "
+        f"{needed / 2**30:.1f} GiB, but the host has {available / 2**30:.1f} GiB available (the GPU keeps "
+        f"{on_gpu / 2**30:.1f} GiB of it). Free GPU memory for more of it (a smaller batch or sequence, "
+        "checkpoint=True), free host memory, or train on more GPUs, which share the state"
+    )
+
+
 class AdamOffloadOptimizer(_AdamBase):
     """Adam(W) whose fp32 master and moments live in CPU memory.
 
@@ -272,8 +289,10 @@ class AdamOffloadOptimizer(_AdamBase):
     only for the parameters it gathers, so the CPU update overlaps that forward.
 
     With ``step_in_backward=True`` each block's update starts during backward, as soon as its
-    gradient shard is final, so the CPU works while the GPU computes the rest of backward, and its
-    gradient memory is freed once updated; ``step()`` then updates what is left (the parameters
+    gradient shard is final, so the CPU works while the GPU computes the rest of backward; the
+    gradient is copied to page-locked host memory on a side stream at once, so its GPU memory is
+    freed while it waits for the CPU (the host memory is reused step after step, and grows to the
+    most gradients waiting at once); ``step()`` then updates what is left (the parameters
     outside blocks, whose gradients complete with backward) and puts the remaining work in the
     order the next forward needs it. That requires every backward to be one optimizer step with
     the hyper-parameters of the moment: no gradient accumulation over several backward passes,
@@ -302,7 +321,8 @@ class AdamOffloadOptimizer(_AdamBase):
             the last of a step's backward and the first its next forward waits for. Parameters
             offloaded by ``wrap(offload_params=True)`` are always updated on the CPU. ``"auto"``:
             the state that fits in the GPU memory the first step leaves unused (keeping
-            ``AUTO_HEADROOM`` of the card free) stays on the GPU, the first-needed first; with
+            ``AUTO_HEADROOM`` of the card free, and turning on the allocator's expandable segments
+            unless ``PYTORCH_ALLOC_CONF`` is set) stays on the GPU, the first-needed first; with
             ``step_in_backward`` it is decided during the first backward and that state is never
             made on the host, otherwise it moves there after the first step (see [Note: automatic
             offload fraction]); :attr:`offload_fraction` then tells the share left on the CPU. On a
@@ -371,6 +391,8 @@ class AdamOffloadOptimizer(_AdamBase):
                 self._priority[id(p)] = len(self._priority) - (1 << 40 if outside else 0)
                 self._group_of[id(p)] = group
         self._on_gpu = self._kept_on_gpu(offload_fraction)
+        # offload_fraction="auto" fills the card: with expandable segments, fragmentation cannot strand the room left.
+        self._expandable = self._auto_fraction and any(p.is_cuda for p in all_params) and expandable_segments()
         if self._auto_fraction and registry is not None:
             # What checkpoint="auto" must leave free for this state ([Note: who gets the GPU memory left]).
             engine().claim_gpu_memory(self, sum(p.numel() * adam_state_bytes(p.dtype) for p in all_params if p.is_cuda))
@@ -378,6 +400,8 @@ class AdamOffloadOptimizer(_AdamBase):
         # offload_fraction="auto": what the decision saw and chose (set once it is made).
         self.auto_report: Optional[Dict[str, Any]] = None
         self.step_in_backward = step_in_backward
+        # step_in_backward on a GPU: the side stream copying gradients updated on the CPU to the host.
+        self._host_grad_stream: Optional[torch.cuda.Stream] = None
         if step_in_backward:
             if not is_initialized():
                 raise ValueError("AdamOffloadOptimizer(step_in_backward=True) needs bmtwrap.init_distributed() "
@@ -423,15 +447,19 @@ class AdamOffloadOptimizer(_AdamBase):
         Otherwise it is decided after the first step, and the state then moves.
 
         What is left of the card holds optimizer state, less:
-        - ``AUTO_HEADROOM`` of the card, for the allocator's fragmentation and later variation
-          (another sequence length);
+        - ``AUTO_HEADROOM`` of the card, for later variation (another sequence length) and what
+          the allocator cannot hand out; the optimizer turns on the allocator's expandable
+          segments, unless ``PYTORCH_ALLOC_CONF`` is set (``offload.expandable_segments``), and
+          leaves ``FIXED_SEGMENTS_HEADROOM`` more where they are off: fixed-size segments strand
+          several GiB as reserved but unusable memory on a full card;
         - the activations ``checkpoint="auto"`` keeps from the second step on;
-        - the gradients of the parameters updated on the CPU: each waits on the GPU until the CPU
-          takes it, and when the CPU is the slower side a backward's worth waits at its end, and
-          into the next forward.
+        - without ``step_in_backward``, the gradients of the parameters updated on the CPU: each
+          waits on the GPU until the CPU takes it, and when the CPU is the slower side a step's
+          worth waits into the next forward. With it they wait on the host instead (copied there
+          as each becomes final), and the GPU needs no room for them.
         The state takes 12 bytes per element (fp32 master, two moments; 8 for an fp32 parameter,
-        its own master), less the gradient it spares, and goes to the parameters the next forward
-        needs first, as a fixed ``offload_fraction`` would. (It has first call on the memory:
+        its own master), less the gradient it spares when gradients wait on the GPU, and goes to
+        the parameters the next forward needs first, as a fixed ``offload_fraction`` would. (It has first call on the memory:
         [Note: who gets the GPU memory left] in ``schedule.py``.) State that already exists is
         moved once, after the CPU updates so far are done; from then on those parameters are
         updated on the GPU by the fused kernel, and the rest on the CPU.
@@ -444,18 +472,27 @@ class AdamOffloadOptimizer(_AdamBase):
         device = cuda[0].device
         total = torch.cuda.get_device_properties(device).total_memory
         peak = torch.cuda.max_memory_allocated(device)
-        budget = total * (1.0 - AUTO_HEADROOM) - peak
+        headroom = AUTO_HEADROOM + (0.0 if self._expandable else FIXED_SEGMENTS_HEADROOM)
+        budget = total * (1.0 - headroom) - peak
         if is_initialized():
             # Activations checkpoint="auto" decided to keep from the second step on.
             budget -= engine().kept_activation_bytes
-        # The gradient of a parameter updated on the CPU stays on the GPU until the CPU takes it, up
-        # to a backward's worth when the CPU is the slower side (and into the next forward): room
-        # for those, less what each parameter kept on the GPU spares.
-        budget -= sum(p.numel() * p.element_size() for p in cuda)
-        kept = self._first_needed(lambda p: p.numel() * (adam_state_bytes(p.dtype) - p.element_size()), budget)
+        grads_wait_on_gpu = not self.step_in_backward
+        if grads_wait_on_gpu:
+            # The gradient of a parameter updated on the CPU stays on the GPU until the CPU takes it, up
+            # to a step's worth when the CPU is the slower side: room for those, less what each
+            # parameter kept on the GPU spares.
+            budget -= sum(p.numel() * p.element_size() for p in cuda)
+        kept = self._first_needed(lambda p: p.numel() * (adam_state_bytes(p.dtype)
+                                                         - (p.element_size() if grads_wait_on_gpu else 0)), budget)
         kept_bytes = sum(p.numel() * adam_state_bytes(p.dtype) for p in params if id(p) in kept)
-        self.auto_report = dict(gpu_bytes=total, peak_bytes=peak, headroom=AUTO_HEADROOM, state_bytes_on_gpu=kept_bytes,
+        self.auto_report = dict(gpu_bytes=total, peak_bytes=peak, headroom=headroom, state_bytes_on_gpu=kept_bytes,
                                 params_on_gpu=len(kept), params=len(params))
+        host_needed = sum(p.numel() * adam_state_bytes(p.dtype) for p in params if id(p) not in kept and not self.state[p])
+        if self.step_in_backward:
+            # At worst, when the CPU is the slower side, every gradient it updates waits there at once.
+            host_needed += sum(p.numel() * p.element_size() for p in cuda if id(p) not in kept)
+        _check_host_room(host_needed, host_available_bytes(), kept_bytes)
         if is_initialized():
             # The state not made yet keeps its claim until the end of this step.
             engine().claim_gpu_memory(self, sum(p.numel() * adam_state_bytes(p.dtype) for p in params
@@ -518,8 +555,12 @@ class AdamOffloadOptimizer(_AdamBase):
             if id(p) in self._on_gpu:
                 _update_in_place(p, state, hyper)
         work = [item for item in work if id(item[0]) not in self._on_gpu]
-        updates = [ops.OffloadUpdate(p.detach(), p.grad.detach().contiguous(), state.get("master", p).detach(), state["exp_avg"],
-                                     state["exp_avg_sq"], hyper, self._priority[id(p)]) for p, state, hyper in work]
+        grads = [p.grad.detach().contiguous() for p, _, _ in work]
+        if self.step_in_backward and any(g.is_cuda for g in grads):
+            grads, ready_stream = self._grads_to_host(grads, ready_stream)
+        updates = [ops.OffloadUpdate(p.detach(), grad, state.get("master", p).detach(), state["exp_avg"],
+                                     state["exp_avg_sq"], hyper, self._priority[id(p)])
+                   for (p, state, hyper), grad in zip(work, grads)]
         tickets = self._offload.submit(updates, ready_stream)
         registry = engine().registry if is_initialized() else None
         for (p, _, _), ticket in zip(work, tickets):
@@ -530,6 +571,28 @@ class AdamOffloadOptimizer(_AdamBase):
                 # No gather stands between this parameter and its next reader (a replicated one):
                 # the caller's stream waits here. These go first, so the wait is short.
                 ticket.wait()
+
+    def _grads_to_host(self, grads: List[torch.Tensor], ready_stream: Optional["torch.cuda.Stream"]
+                       ) -> Tuple[List[torch.Tensor], "torch.cuda.Stream"]:
+        """Copies of the GPU ``grads`` in page-locked host memory, made on a side stream once
+        ``ready_stream`` (default: the current one) reaches this point; returns them (host ones as they
+        were) and the stream that the copies are final on. A GPU gradient's memory can be reused once its
+        copy is done, whoever drops it: it is marked in use by the side stream."""
+        device = next(g.device for g in grads if g.is_cuda)
+        if self._host_grad_stream is None:
+            self._host_grad_stream = torch.cuda.Stream(device)
+        stream = self._host_grad_stream
+        stream.wait_stream(ready_stream or torch.cuda.current_stream(device))
+        copies = []
+        with torch.cuda.stream(stream):
+            for grad in grads:
+                if grad.is_cuda:
+                    host = host_empty(grad.numel(), grad.dtype, pinned=True).view(grad.shape)
+                    host.copy_(grad, non_blocking=True)
+                    grad.record_stream(stream)
+                    grad = host
+                copies.append(grad)
+        return copies, stream
 
     def _grads_final(self, buffer: Any) -> None:
         """The engine's report, during backward: ``buffer``'s gradient shard is final."""

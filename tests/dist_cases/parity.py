@@ -247,6 +247,27 @@ def offload_params_pinned_exactly() -> Dict[str, Any]:
             "shard_bytes": sum(storages.values()), "pool_bytes_after_build": built, "registered_after_step": grown}
 
 
+def offload_grads_wait_on_host() -> Dict[str, Any]:
+    """GPU, step_in_backward: a block's gradient handed to the CPU waits in page-locked host memory, not on
+    the GPU; the host memory is reused from step to step; training equals the fused optimizer's (the
+    ``offload_in_backward_matches_adam`` case)."""
+    from bmtwrap.offload import PINNED
+    _, model = build(DTYPE)
+    opt = OPTIMIZERS["offload_in_backward"](model.parameters())
+    data = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    held_devices, registered = set(), []
+    for _ in range(4):
+        opt.zero_grad()
+        model.loss(data).backward()
+        # The updates handed over last in backward are still queued (nothing waited for them yet).
+        held_devices |= {tensors[1].device.type for _, tensors in opt._offload._held.values()}
+        opt.step()
+        opt.wait()
+        registered.append(PINNED.registered_bytes)
+    torch.cuda.synchronize()
+    return {"held_grad_devices": sorted(held_devices), "registered_after_step": registered}
+
+
 CASES = {
     "zero3_checkpoint": lambda: train(),
     "zero3_no_checkpoint": lambda: train(use_checkpoint=False),
@@ -292,6 +313,7 @@ if DEVICE == "cuda":
                                                                                     offload_params=True)
     CASES["offload_auto_matches_adam"] = lambda: offload_matches_adam("offload_auto_in_backward")
     CASES["offload_params_pinned_exactly"] = offload_params_pinned_exactly
+    CASES["offload_grads_wait_on_host"] = offload_grads_wait_on_host
 
 if __name__ == "__main__":
     # Argument 3 (optional): a comma-separated list of the cases to run.
