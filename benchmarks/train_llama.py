@@ -163,7 +163,7 @@ def main() -> None:
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq),
                         generator=torch.Generator().manual_seed(ctx.rank)).to(ctx.device)
     torch.cuda.reset_peak_memory_stats()
-    times, peaks = [], []
+    times, peaks, reserved = [], [], []
     for i in range(args.warmup + args.steps):
         if i == args.warmup and offloading:
             stats_before = optimizer.offload_stats()
@@ -174,6 +174,7 @@ def main() -> None:
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
         peaks.append(torch.cuda.max_memory_allocated())
+        reserved.append(torch.cuda.max_memory_reserved())
         torch.cuda.reset_peak_memory_stats()
         if i == 0 and getattr(optimizer, "auto_report", None):
             bmt.print_rank(f"offload_fraction='auto' decided: {optimizer.auto_report}, first step's peak "
@@ -198,7 +199,8 @@ def main() -> None:
         offload_fraction=round(optimizer.offload_fraction, 3) if offloading else args.offload_fraction,
         offload_params=args.offload_params, step_s=round(step_s, 4), tok_s_gpu=round(tokens / step_s, 1),
         mfu=round(per_token * tokens / step_s / PEAK_FLOPS, 4),
-        peak_gib=round(max(peaks) / 2**30, 2), step_peaks_gib=[round(p / 2**30, 1) for p in peaks],
+        peak_gib=round(max(peaks) / 2**30, 2), reserved_gib=round(max(reserved) / 2**30, 2),
+        step_peaks_gib=[round(p / 2**30, 1) for p in peaks],
         loss=round(loss.item(), 4),
         plan_gib=round(planned.total / 2**30, 2), plan_host_gib=round(planned.host / 2**30, 2),
         host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2), **cpu, **busy,
