@@ -68,14 +68,15 @@ def test_automatic_offload_fraction_on_one_gpu():
 @pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU")
 def test_gradients_wait_for_the_cpu_on_the_host():
     """step_in_backward on one GPU: the gradients handed to the CPU wait in page-locked host memory (none on
-    the GPU), whose blocks later steps reuse; training stays the fused optimizer's."""
+    the GPU), whose blocks later steps reuse (the pool never holds more than a step's gradients); training
+    stays the fused optimizer's."""
     names = ["offload_grads_wait_on_host", "offload_in_backward_matches_adam"]
     results = run_cases("parity.py", 1, "cuda-bf16", ",".join(names))
     r = results["offload_grads_wait_on_host"]
     assert "error" not in r, r.get("error")
     assert r["held_grad_devices"] == ["cpu"], r
-    registered = r["registered_after_step"]
-    assert registered[-1] == registered[-2] > 0, r
+    # The host blocks are reused: four steps take no more than one step's gradients.
+    assert 0 < r["pool_growth"][-1] <= r["step_grad_bytes"], r
     r = results["offload_in_backward_matches_adam"]
     assert "error" not in r, r.get("error")
     assert r["master_max_rel"] <= 1e-5 and r["loss_max_rel"] <= 1e-3 and r["param_max_abs"] <= 2**-7, r

@@ -459,8 +459,9 @@ class AdamOffloadOptimizer(_AdamBase):
           as each becomes final), and the GPU needs no room for them.
         The state takes 12 bytes per element (fp32 master, two moments; 8 for an fp32 parameter,
         its own master), less the gradient it spares when gradients wait on the GPU, and goes to
-        the parameters the next forward needs first, as a fixed ``offload_fraction`` would. (It has first call on the memory:
-        [Note: who gets the GPU memory left] in ``schedule.py``.) State that already exists is
+        the parameters the next forward needs first, as a fixed ``offload_fraction`` would. (It has
+        first call on the memory: [Note: who gets the GPU memory left] in ``schedule.py``.) State that
+        already exists is
         moved once, after the CPU updates so far are done; from then on those parameters are
         updated on the GPU by the fused kernel, and the rest on the CPU.
         """

@@ -8,7 +8,7 @@ each rank of the sharded model on its share. Argument 2 (optional): "cpu" (defau
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import torch
 
@@ -90,6 +90,18 @@ def train(*, dtype: torch.dtype = DTYPE, batch: int = 12, micro: int = 1, manage
     return result
 
 
+def run_steps(model: torch.nn.Module, opt: Any, share: torch.Tensor, n: int) -> List[float]:
+    """``n`` training steps on this rank's ``share`` of the batch; each step's loss, averaged over the ranks."""
+    losses = []
+    for _ in range(n):
+        opt.zero_grad()
+        loss = model.loss(share)
+        loss.backward()
+        opt.step()
+        losses.append(bmt.sum_loss(loss).item())
+    return losses
+
+
 def resume(optimizer: str, **kwargs: Any) -> Dict[str, Any]:
     """5 steps, state_dict, a fresh model and optimizer loaded from it, 5 more == 10 straight steps."""
     rank, world = bmt.rank(), bmt.world_size()
@@ -100,25 +112,15 @@ def resume(optimizer: str, **kwargs: Any) -> Dict[str, Any]:
         _, model = build(DTYPE, **kwargs)
         return model, OPTIMIZERS[optimizer](model.parameters())
 
-    def steps(model, opt, n):
-        losses = []
-        for _ in range(n):
-            opt.zero_grad()
-            loss = model.loss(share)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return losses
-
     straight, opt = fresh()
-    expected = steps(straight, opt, 10)
+    expected = run_steps(straight, opt, share, 10)
     first, opt1 = fresh()
-    got = steps(first, opt1, 5)
+    got = run_steps(first, opt1, share, 5)
     model_state, opt_state = bmt.full_state_dict(first), opt1.state_dict()
     second, opt2 = fresh()
     bmt.load_state_dict(second, model_state)
     opt2.load_state_dict(opt_state)
-    got += steps(second, opt2, 5)
+    got += run_steps(second, opt2, share, 5)
     a, b = bmt.full_state_dict(straight), bmt.full_state_dict(second)
     return {"losses_equal": got == expected, "params_equal": all(torch.equal(a[k], b[k]) for k in a)}
 
@@ -144,13 +146,7 @@ def offload_matches_adam(other: str, offload_params: bool = False) -> Dict[str, 
         for name in ("adam", other):
             _, model = build(DTYPE, offload_params=offload_params and name == other)
             opt = OPTIMIZERS[name](model.parameters())
-            losses = []
-            for _ in range(STEPS):
-                opt.zero_grad()
-                loss = model.loss(share)
-                loss.backward()
-                opt.step()
-                losses.append(bmt.sum_loss(loss).item())
+            losses = run_steps(model, opt, share, STEPS)
             if name != "adam":
                 opt.wait()
             masters = torch.cat([opt.state[p]["master"].float().cpu().view(-1) for p in model.parameters()
@@ -256,6 +252,7 @@ def offload_grads_wait_on_host() -> Dict[str, Any]:
     opt = OPTIMIZERS["offload_in_backward"](model.parameters())
     data = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(9)).to(DEVICE)
     held_devices, registered = set(), []
+    before = PINNED.registered_bytes
     for _ in range(4):
         opt.zero_grad()
         model.loss(data).backward()
@@ -265,7 +262,11 @@ def offload_grads_wait_on_host() -> Dict[str, Any]:
         opt.wait()
         registered.append(PINNED.registered_bytes)
     torch.cuda.synchronize()
-    return {"held_grad_devices": sorted(held_devices), "registered_after_step": registered}
+    # How many gradients wait at once depends on the CPU's pace, so the pool may still grow a little
+    # after the first step; without reuse it would grow by a whole step's gradients every step.
+    step_grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return {"held_grad_devices": sorted(held_devices), "pool_growth": [r - before for r in registered],
+            "step_grad_bytes": step_grad_bytes}
 
 
 CASES = {
