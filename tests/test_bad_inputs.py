@@ -157,6 +157,8 @@ ROWS = [
         lambda f: bmt.wrap(nn.Sequential(bmt.Block(nn.Linear(2, 2))))),
     Row("run-meta-model-unloaded", RuntimeError, r"built on the meta device .* bmtwrap.materialize\(model\) or load",
         meta_model_run),
+    Row("meta-buffer-not-computed", ValueError, r"was built on the meta device and has no value",
+        covered_by="tests/test_wrap.py::test_a_buffer_nothing_computes_is_named"),
     Row("cast-after-wrap", RuntimeError, r"was replaced after sharding .* cast or move the model before sharding",
         cast_after_wrap),
     Row("plan-world-size", ValueError, r"world_size must be >= 1, got 0", lambda f: bmt.plan(mlp(), world_size=0)),

@@ -125,3 +125,14 @@ def test_hugging_face_cases_on_two_gpus():
         failures.append(f"offload_params_training: {train}")
     print({name: {k: v for k, v in r.items() if k != "error"} for name, r in results.items()})
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU")
+def test_hugging_face_import_on_one_gpu(tmp_path):
+    """tests/test_hf_import.py's check on the GPU: bmt.from_pretrained of 16 families equals transformers' own
+    from_pretrained on the same GPU, every parameter and buffer bit for bit, and so does the loss of a batch."""
+    results = run_cases("hf_import.py", 1, str(tmp_path))
+    failures = [f"{name}: {r}" for name, r in results.items()
+                if "error" in r or r["buffers_unequal"] or r.get("params_unequal") or r.get("loss_rel", 0.0) != 0.0]
+    assert len(results) == 32 and not failures, "\n".join(failures)

@@ -110,6 +110,62 @@ def test_running_an_unloaded_meta_model_is_reported():
         model(torch.randint(0, 64, (1, 4)))
 
 
+class Scaled(nn.Module):
+    """A layer with a non-persistent buffer made in its constructor, as Gemma's scaled embedding has.
+
+    ``reset_parameters`` sets the buffer (and redraws the weight) when ``computes_buffer``; without
+    it, nothing but the constructor knows the buffer's value.
+    """
+
+    def __init__(self, computes_buffer: bool) -> None:
+        super().__init__()
+        self.computes_buffer = computes_buffer
+        self.weight = nn.Parameter(torch.randn(4, 4))
+        self.register_buffer("scale", torch.tensor(2.0), persistent=False)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight)
+        if self.computes_buffer:
+            nn.init.constant_(self.scale, 2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight * self.scale
+
+
+def scaled_stack(computes_buffer: bool) -> nn.Module:
+    return nn.Sequential(*[Scaled(computes_buffer) for _ in range(2)])
+
+
+def scaled_reference_and_meta(computes_buffer: bool) -> tuple:
+    """The stack built on the CPU (seeded), and the same stack built on the meta device and wrapped."""
+    torch.manual_seed(0)
+    ref = scaled_stack(computes_buffer)
+    with torch.device("meta"):
+        model = scaled_stack(computes_buffer)
+    return ref, bmt.wrap(model)
+
+
+def test_buffers_built_on_meta_are_computed_after_loading_without_touching_loaded_weights():
+    ref, model = scaled_reference_and_meta(computes_buffer=True)
+    assert torch.isnan(model[0].scale).all(), "an unwritten buffer holds NaN, never leftover memory"
+    bmt.load_state_dict(model, ref.state_dict())  # the weights only: the buffers are not persistent
+    assert all(m.scale.item() == 2.0 for m in model), "the initialiser computes the buffers after loading"
+    full = bmt.full_state_dict(model)
+    assert all(torch.equal(full[k], v) for k, v in ref.state_dict().items()), "restoring a buffer changed a weight"
+    x = torch.randn(3, 4)
+    assert torch.equal(model(x), ref(x))
+
+
+def test_a_buffer_nothing_computes_is_named():
+    ref, model = scaled_reference_and_meta(computes_buffer=False)
+    with pytest.raises(ValueError, match=r"buffer '0.scale' \(Scaled\), '1.scale' \(Scaled\) of this Sequential was "
+                                         r"built on the meta device and has no value: .* Build the model on a real device"):
+        bmt.load_state_dict(model, ref.state_dict())
+    _, model = scaled_reference_and_meta(computes_buffer=False)
+    with pytest.raises(ValueError, match=r"buffer '0.scale' .* reset_parameters\(\) that sets it"):
+        bmt.materialize(model)
+
+
 def test_materialize_needs_a_wrapped_model():
     with pytest.raises(ValueError, match="materialize expects a model returned by bmtwrap.wrap"):
         bmt.materialize(tiny_llama())

@@ -382,8 +382,9 @@ def load(model: nn.Module, path: PathLike, *, strict: bool = True) -> Incompatib
     :func:`save` at any world size, from ``torch.save(unwrapped.state_dict())``, or from
     ``safetensors.torch.save_file``. Keys and shapes are checked on every rank before anything
     is written; on any error no rank's model has changed. Works on a model built on the meta
-    device and then wrapped (its non-persistent buffers, such as rotary ``inv_freq``, are
-    recomputed). A collective: every rank calls it.
+    device and then wrapped: the buffers the file does not hold (rotary ``inv_freq``, ...) are
+    computed by the model's own initialiser, and one it cannot compute raises ``ValueError``.
+    A collective: every rank calls it.
 
     Args:
         model: a model sharded by :func:`bmtwrap.wrap` or built from bmtwrap's blocks.

@@ -350,9 +350,12 @@ def load_pretrained(model: nn.Module, folder: PathLike, *, strict: bool = True) 
     Each rank reads only the rows of each tensor that cover its own shard, so no rank ever holds
     the whole state dict; replicated tensors and buffers are read whole. Keys
     are converted by transformers' own rules (renamed keys, fused MoE experts, the base-model
-    prefix present or absent), tied weights absent from the file are filled through their tie, and
-    non-persistent buffers (rotary ``inv_freq``) of a model built on the meta device are
-    recomputed. Every name and shape is checked before anything is written. No collective runs
+    prefix present or absent), and tied weights absent from the file are filled through their tie.
+    On a model built on the meta device, the buffers no checkpoint holds (rotary ``inv_freq``,
+    Gemma's ``embed_scale``) are computed by the model's own ``_init_weights``, as transformers'
+    ``from_pretrained`` computes them: every parameter and buffer ends up equal to what
+    transformers loads from the same folder. Every name and shape is checked before anything is
+    written. No collective runs
     unless ``strict=False`` meets a missing weight in a model built on the meta device (then every
     rank initialises the model first with :func:`bmtwrap.materialize`).
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -42,7 +42,7 @@ from .adapters import ModelAdapter, adapter_for
 from .detect import LayerPolicy
 from .plan import Checkpoint, OffloadOptions, WrapPlan, make_plan
 
-__all__ = ["plan", "wrap", "wrapped_record"]
+__all__ = ["StaleBuffer", "plan", "wrap", "wrapped_record"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,24 @@ class WrapOptions:
     offload_params: bool
 
 
+class StaleBuffer(NamedTuple):
+    """A buffer that was on the meta device when :func:`wrap` moved it: storage, but no value yet.
+
+    Loading a checkpoint that holds it, or initialising its module, writes it; ``written`` tells
+    which happened (the tensor's version counter moves on every in-place write). Until then it
+    holds NaN (integers: 0), never leftover memory.
+    """
+
+    module: nn.Module
+    name: str
+    tensor: torch.Tensor  # the storage wrap made; a module that assigns a new tensor has written it
+    version: int  # ``tensor._version`` when wrap made it
+
+    @property
+    def written(self) -> bool:
+        return self.module._buffers.get(self.name) is not self.tensor or self.tensor._version != self.version
+
+
 @dataclass(eq=False)
 class Wrapped:
     """What wrap made of one model: the engine keeps it (a ``schedule.WrapRecord``) to detect wrapping again."""
@@ -67,9 +85,10 @@ class Wrapped:
     runners: List[Tuple[nn.Module, BlockRunner]]
     root: RootRunner
     adapter: ModelAdapter
-    # Modules whose non-persistent buffers (rotary inv_freq, ...) were on the meta device: no state
-    # dict holds them, so they are recomputed by the model's initialiser after loading.
-    stale_buffers: List[nn.Module]
+    # Buffers that were on the meta device and are not written yet: a checkpoint may hold them
+    # (persistent ones); the rest (rotary inv_freq, Gemma's embed_scale, ...) are computed by the
+    # model's own initialiser after loading (``materialize.restore_buffers``).
+    stale_buffers: List[StaleBuffer]
     handles: List[RemovableHandle]  # every hook wrap registered, for dissolve()
     restore_forwards: List[Callable[[], None]]  # each block's forward as it was before wrap
 
@@ -261,13 +280,23 @@ def _attach_root(model: nn.Module, root: RootRunner, entry_points: List[nn.Modul
     return handles
 
 
-def _move_buffers(model: nn.Module, device: torch.device) -> None:
-    """Buffers go where the computation is (buffers on meta get uninitialised storage there)."""
+def _move_buffers(model: nn.Module, device: torch.device) -> List[StaleBuffer]:
+    """Buffers go where the computation is; those on the meta device get storage there, filled with
+    NaN (integers: 0) until a checkpoint or the model's initialiser writes them. Returns those."""
+    stale: List[StaleBuffer] = []
     for module in model.modules():
         for name, buf in module._buffers.items():
             if buf is None or buf.device == device:
                 continue
-            module._buffers[name] = torch.empty_like(buf, device=device) if buf.is_meta else buf.to(device)
+            if not buf.is_meta:
+                module._buffers[name] = buf.to(device)
+                continue
+            # Outside inference mode, so that the new tensor has a version counter to watch.
+            with torch.inference_mode(False):
+                fill = float("nan") if buf.is_floating_point() or buf.is_complex() else 0
+                module._buffers[name] = torch.full_like(buf, fill, device=device)
+            stale.append(StaleBuffer(module, name, module._buffers[name], module._buffers[name]._version))
+    return stale
 
 
 def _already_wrapped(model: nn.Module, options: WrapOptions) -> Optional[nn.Module]:
@@ -374,9 +403,7 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
                              exclude=owned, allow_meta=True)
     root = RootRunner(eng, root_group, replicated=[])
     handles += _attach_root(model, root, adapter.entry_points(model))
-    stale = [m for m in model.modules()
-             if any(b is not None and b.is_meta and n in m._non_persistent_buffers_set for n, b in m._buffers.items())]
-    _move_buffers(model, ctx.device)
+    stale = _move_buffers(model, ctx.device)
     if checkpoint == "auto":
         AutoRecompute([r for _, r in runners], memory_budget, ctx.device)
     eng.install_step_check(_check_optimizer)
