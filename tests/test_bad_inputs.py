@@ -210,6 +210,8 @@ ROWS = [
     Row("save-disk-full", RuntimeError, r"cannot write .* No space left on device",
         covered_by="tests/test_checkpoint_full.py::test_failed_save_raises_on_every_rank_and_keeps_the_previous_file"),
     # sharded checkpoints
+    Row("checkpoint-unwritable-folder", RuntimeError, r"cannot write the checkpoint in .* give a folder every rank",
+        covered_by="tests/test_checkpoint_sharded.py::test_an_unwritable_folder_is_named"),
     Row("checkpoint-rank-file-missing", FileNotFoundError, r"is incomplete: .* \(rank 2's shard file, named by its index\) is missing",
         covered_by="tests/test_checkpoint_sharded.py::test_load_errors_name_the_problem_and_change_nothing"),
     Row("checkpoint-damaged-index", ValueError, r"belongs to another save|the index records",

@@ -258,6 +258,19 @@ def test_damaged_index(world, tmp_path, case):
     assert all(torch.equal(before[k], after[k]) for k in before), "the model changed although loading failed"
 
 
+def test_an_unwritable_folder_is_named(world, tmp_path):
+    """A file where the folder must be, or above it: the error names the folder and the fix (root, which
+    these tests may run as, ignores permission bits, so a file is what makes a folder unwritable here)."""
+    model, opt = _small()
+    (tmp_path / "a_file").write_text("")
+    for folder in (tmp_path / "a_file", tmp_path / "a_file" / "ckpt"):
+        with pytest.raises(RuntimeError, match=rf"cannot write the checkpoint in {re.escape(str(folder))} "
+                                               r"\((FileExistsError|NotADirectoryError): .*give a folder every rank can "
+                                               r"create and write"):
+            save_checkpoint(folder, model, opt, step=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
 @pytest.mark.parametrize("kind", ["AdamOptimizer", "AdamOffloadOptimizer"])
 def test_bf16_model_keeps_its_fp32_master(world, tmp_path, kind):
     """The fp32 master of a bf16 model is saved and loaded as fp32, bit for bit."""

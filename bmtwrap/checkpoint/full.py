@@ -82,7 +82,7 @@ from .full_format import (
     _safetensors_dtype,
     _Writer,
 )
-from .io import PathLike, atomic_file, read_flat_range
+from .io import PathLike, atomic_file, read_flat_range, unwritable
 
 __all__ = ["load", "load_state_dict", "save"]
 
@@ -576,8 +576,5 @@ def save(model: nn.Module, path: PathLike, *, non_blocking: bool = False) -> Non
 
 
 def _unwritable(path: Path, err: BaseException) -> RuntimeError:
-    error = RuntimeError(f"cannot write {path} ({type(err).__name__}: {err}); rank 0 writes the file: give a path in "
-                         "a folder it can create and write, on a disk with room for the model; the previous file at "
-                         "that path, if any, is unchanged")
-    error.__cause__ = err
-    return error
+    return unwritable(str(path), err, "rank 0 writes the file: give a path in a folder it can create and write, on a "
+                      "disk with room for the model; the previous file at that path, if any, is unchanged")

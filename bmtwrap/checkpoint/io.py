@@ -25,9 +25,17 @@ from typing import Any, Iterator, Union
 
 import torch
 
-__all__ = ["atomic_file", "default_file_mode", "fsync_dir", "read_flat_range", "temporary_name"]
+__all__ = ["atomic_file", "default_file_mode", "fsync_dir", "read_flat_range", "temporary_name", "unwritable"]
 
 PathLike = Union[str, "os.PathLike[str]"]
+
+
+def unwritable(what: str, err: BaseException, advice: str) -> RuntimeError:
+    """The error of a save that could not write ``what``: the system's reason, then ``advice`` (the
+    fix, and what is left as it was)."""
+    error = RuntimeError(f"cannot write {what} ({type(err).__name__}: {err}); {advice}")
+    error.__cause__ = err
+    return error
 
 
 def temporary_name(path: Path) -> Path:

@@ -31,6 +31,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, 
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from torch import nn
 
 from ..dist import DistContext
@@ -38,7 +39,7 @@ from ..optim import OptimManager
 from ..schedule import engine
 from ..wrap.materialize import restore_buffers
 from .agree import _agree, _broadcast, _describe, _first_failure, _raise
-from .io import PathLike, atomic_file
+from .io import PathLike, atomic_file, unwritable
 from .sharded_format import (
     _SHARD_FILE,
     _TEMPORARY,
@@ -284,8 +285,9 @@ def save_checkpoint(folder: PathLike, model: nn.Module, optimizer: OptimizerArg 
         ValueError: an optimizer holds parameters that are not the model's.
         NotImplementedError: optimizer state that is neither a scalar nor shaped like the
             parameter's shard (it could not be resharded).
-        OSError: the folder cannot be written. On any error no index is written: the folder's
-            earlier checkpoint is untouched, and every rank raises.
+        RuntimeError: the folder cannot be created or written (named, with the system's reason:
+            a file in its place, no permission, a full disk). On any error no index is written:
+            the folder's earlier checkpoint is untouched, and every rank raises.
 
     Example::
 
@@ -304,8 +306,7 @@ def save_checkpoint(folder: PathLike, model: nn.Module, optimizer: OptimizerArg 
     part, head, written, error = _RankPart(), None, [], None
     try:
         head = _collect(part, ctx, model, optimizers, manager, schedulers, step, extra)
-        folder.mkdir(parents=True, exist_ok=True)
-        written = _write_files(folder, tag, ctx.rank, part, max_file_bytes)
+        written = _write_rank_files(folder, tag, ctx.rank, part, max_file_bytes)
     except Exception as caught:  # every rank must still reach the gather below
         error = caught
     # The gather completes on rank 0 only once every rank's files are in place: the barrier
@@ -318,6 +319,9 @@ def save_checkpoint(folder: PathLike, model: nn.Module, optimizer: OptimizerArg 
         if failure is None:
             try:
                 _commit(folder, _build_index(tag, ctx.world_size, [report[1] for report in reports], head))
+            except (OSError, SafetensorError) as caught:
+                error = _unwritable(folder, caught)
+                failure = _describe(error)
             except Exception as caught:
                 error, failure = caught, _describe(caught)
     failure = _broadcast(ctx, failure)
@@ -325,6 +329,19 @@ def save_checkpoint(folder: PathLike, model: nn.Module, optimizer: OptimizerArg 
         for path in written:  # no index names them
             path.unlink(missing_ok=True)
         _raise(error, failure)
+
+
+def _write_rank_files(folder: Path, tag: str, rank: int, part: _RankPart, max_file_bytes: int) -> List[Path]:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return _write_files(folder, tag, rank, part, max_file_bytes)
+    except (OSError, SafetensorError) as caught:  # safetensors' own error names only a temporary file
+        raise _unwritable(folder, caught) from caught
+
+
+def _unwritable(folder: Path, err: BaseException) -> RuntimeError:
+    return unwritable(f"the checkpoint in {folder}", err, "give a folder every rank can create and write, on a disk "
+                      "with room for it; the earlier checkpoint there, if any, is unchanged")
 
 
 def _collect(part: _RankPart, ctx: DistContext, model: nn.Module, optimizers: List[torch.optim.Optimizer],
