@@ -10,7 +10,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -27,7 +27,8 @@ EXAMPLES = """\
 examples:
   python -m bmtwrap plan ./Llama-3.2-1B --world-size 8 --batch-size 2 --seq-len 4096
   python -m bmtwrap plan config.json --world-size 1 --offload --batch-size 4 --seq-len 2048
-  python -m bmtwrap plan ./Llama-3-8B --offload --offload-params --checkpoint true"""
+  python -m bmtwrap plan ./Llama-3-8B --offload --offload-params --checkpoint true
+  python -m bmtwrap plan ./bart-large --model-class BartForCausalLM"""
 
 
 def _load_config(path: str) -> Any:
@@ -51,21 +52,88 @@ def _dtype(name: str, config: Any) -> torch.dtype:
     """``auto``: the config's dtype (what from_pretrained builds), else fp32."""
     if name != "auto":
         return getattr(torch, name)
-    configured = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    # transformers 5 reads config.json's torch_dtype into dtype (and warns on reading torch_dtype).
+    configured = config.dtype if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
     if isinstance(configured, str):
         configured = getattr(torch, configured, None)
     return configured if isinstance(configured, torch.dtype) else torch.float32
 
 
-def _build_on_meta(config: Any, dtype: torch.dtype) -> torch.nn.Module:
+# Tried in this order when the config names no class transformers has: a checkpoint folder is most
+# often a language model, and AutoModel (no head) takes every config.
+AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModel")
+
+
+def _model_class(name: str) -> Optional[type]:
+    """``transformers.<name>`` if it is a model class, else None."""
     import transformers
 
-    for auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModel"):
+    try:
+        cls = getattr(transformers, name)
+    except (AttributeError, ImportError):  # not in transformers, or needs a backend that is not installed
+        return None
+    return cls if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel) else None
+
+
+def _takes(cls: type, config: Any) -> bool:
+    expected = getattr(cls, "config_class", None)
+    return not isinstance(expected, type) or isinstance(config, expected)
+
+
+def _classes_for(config: Any) -> str:
+    """The model classes of the config's family, for an error message."""
+    import transformers
+
+    family = type(config).__name__.removesuffix("Config")
+    names = sorted(n for n in dir(transformers) if n.startswith(family) and ("For" in n or n.endswith("Model"))
+                   and not n.lower().endswith("pretrainedmodel"))
+    return ", ".join(names[:12]) + (" ..." if len(names) > 12 else "") if names else "(none found)"
+
+
+def _chosen_class(config: Any, override: Optional[str]) -> Tuple[Optional[type], str]:
+    """The class to build and why; None (with why) when the Auto classes must choose.
+
+    ``config.architectures`` names the class the folder was saved from (``BartForConditionalGeneration``,
+    with its encoder); an Auto class would pick its own (``BartForCausalLM``, a decoder only).
+    """
+    if override is not None:
+        cls = _model_class(override)
+        if cls is None:
+            raise SystemExit(f"--model-class {override}: transformers has no model class of that name; the classes for "
+                             f"{type(config).__name__} include {_classes_for(config)}")
+        if not _takes(cls, config):
+            raise SystemExit(f"--model-class {override} builds from a {cls.config_class.__name__}, but the config is a "
+                             f"{type(config).__name__}; the classes for it include {_classes_for(config)}")
+        return cls, "given by --model-class"
+    named = list(getattr(config, "architectures", None) or ())
+    if not named:
+        return None, "config.architectures names no class"
+    cls = _model_class(named[0])
+    if cls is None:
+        return None, f"config.architectures names {named[0]}, which transformers does not have"
+    if not _takes(cls, config):
+        return None, f"config.architectures names {named[0]}, which builds from a {cls.config_class.__name__}"
+    return cls, "named by config.architectures"
+
+
+def _build_on_meta(config: Any, dtype: torch.dtype, override: Optional[str]) -> Tuple[torch.nn.Module, str]:
+    """The model on the meta device, and a line saying which class it is and why."""
+    import transformers
+
+    cls, why = _chosen_class(config, override)
+    if cls is not None:
+        with torch.device("meta"):
+            # What AutoModel*.from_config calls once it has found the class.
+            model = cls._from_config(config, dtype=dtype)
+        return model, f"model class: {cls.__name__} ({why})"
+    for auto in AUTO_CLASSES:
         try:
             with torch.device("meta"):
-                return getattr(transformers, auto).from_config(config, dtype=dtype)
+                model = getattr(transformers, auto).from_config(config, dtype=dtype)
         except ValueError:
             continue
+        return model, (f"model class: {type(model).__name__} ({auto}'s choice: {why}; "
+                       "give --model-class to build another)")
     raise SystemExit(f"transformers has no model class for config type {type(config).__name__}")
 
 
@@ -91,6 +159,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="with --offload: the share of the optimizer state on the host (default 1.0)")
     plan.add_argument("--offload-params", action="store_true",
                       help="as wrap(offload_params=True): block parameters and gradients in host memory")
+    plan.add_argument("--model-class", metavar="NAME",
+                      help="the transformers class to build, e.g. BertForMaskedLM (default: the first of the config's "
+                           "architectures, else what AutoModelForCausalLM, AutoModelForSeq2SeqLM or AutoModel picks)")
     plan.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                       help="parameter dtype (default auto: the config's, else float32)")
     return parser
@@ -109,7 +180,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .wrap import plan as make_plan
 
     config = _load_config(args.model)
-    model = _build_on_meta(config, _dtype(args.dtype, config))
+    model, chosen = _build_on_meta(config, _dtype(args.dtype, config), args.model_class)
+    print(chosen)
     checkpoint = {"true": True, "false": False, "auto": "auto"}["false" if args.no_checkpoint else args.checkpoint]
     print(make_plan(model, world_size=args.world_size, checkpoint=checkpoint, batch_size=args.batch_size,
                     seq_len=args.seq_len, offload_optimizer=args.offload, offload_fraction=args.offload_fraction,

@@ -316,11 +316,11 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
          memory_budget: Optional[int] = None, offload_params: bool = False) -> nn.Module:
     """Shard ``model`` over all ranks, in place, and return it.
 
-    The repeated layers (an ``nn.ModuleList``/``nn.Sequential`` of one class, or what a Hugging
-    Face model names in ``_no_split_modules``) each become a block: their parameters are gathered
-    while the previous block computes, released after use (ZeRO-3), optionally recomputed in
-    backward, and their gradients reduce-scattered (averaged over ranks) while the next block
-    computes. Everything else (embeddings, final norm, heads, tied weights) forms the root group,
+    The repeated layers (an ``nn.ModuleList``/``nn.Sequential`` of one class, or a class a Hugging
+    Face model names in ``_no_split_modules`` that occurs more than once) each become a block: their
+    parameters are gathered while the previous block computes, released after use (ZeRO-3),
+    optionally recomputed in backward, and their gradients reduce-scattered (averaged over ranks)
+    while the next block computes. Everything else (embeddings, final norm, heads, tied weights) forms the root group,
     gathered once per forward. A model with no repeated layers is cut into pieces by size.
 
     The model keeps its class, its ``state_dict()`` keys and every method; each parameter stays the

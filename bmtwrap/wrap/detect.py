@@ -3,10 +3,13 @@
 Rules, in order:
 1. A user policy: explicit layer classes (classes or class names), or a callable
    ``policy(qualified_name, module) -> bool``.
-2. Repeated layers: a module whose class a Hugging Face model names in ``_no_split_modules``, or
-   that is a ``GradientCheckpointingLayer``; and the children of an ``nn.ModuleList`` /
-   ``nn.Sequential`` when at least two of them share a class and hold parameters. Children may
-   differ in parameter shapes (T5's first block, dense-then-MoE stacks): each is its own block.
+2. Repeated layers: a module whose class a Hugging Face model names in ``_no_split_modules``
+   where the model holds at least two modules of that class (BERT and ViT name their embeddings
+   there, which occur once and are no layer), or a module that is a ``GradientCheckpointingLayer``
+   (HF's per-layer base class: a one-layer model keeps its layer as a block); and the children of
+   an ``nn.ModuleList`` / ``nn.Sequential`` when at least two of them share a class and hold
+   parameters. Children may differ in parameter shapes (T5's first block, dense-then-MoE stacks):
+   each is its own block.
 3. Nothing repeated: the model is cut by size, so that a large one still shards in pieces.
 Nested candidates resolve to the outermost one (a decoder layer, not the experts inside it).
 A block is a module that is called: containers without a forward of their own (``nn.ModuleList``,
@@ -17,6 +20,7 @@ their block] in ``bmtwrap/on_demand.py``.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable, List, Optional, Sequence, Set, Tuple, Type, Union
 
 from torch import nn
@@ -51,11 +55,17 @@ def _outermost(named: List[Tuple[str, nn.Module]]) -> List[Tuple[str, nn.Module]
 
 
 def _hf_layer_classes(model: nn.Module) -> Set[str]:
-    names: Set[str] = set()
+    """The classes named in ``_no_split_modules`` of which the model holds at least two modules with parameters.
+
+    ``_no_split_modules`` tells accelerate what not to cut across devices, which is not only the
+    layers: a class that occurs once (BERT's and ViT's embeddings) would make a block that nothing
+    repeats, gathered and released on its own for no saving over the root.
+    """
+    named: Set[str] = set()
     for module in model.modules():
-        for cls_name in getattr(module, "_no_split_modules", None) or ():
-            names.add(cls_name)
-    return names
+        named.update(getattr(module, "_no_split_modules", None) or ())
+    counts = Counter(type(m).__name__ for m in model.modules() if type(m).__name__ in named and _param_count(m) > 0)
+    return {name for name, count in counts.items() if count >= 2}
 
 
 def _is_checkpointing_layer(module: nn.Module) -> bool:

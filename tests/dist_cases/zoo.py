@@ -199,9 +199,8 @@ HF_CASES: Dict[str, Case] = {
         lambda: tf.BertForMaskedLM(tf.BertConfig(
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
             max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **EAGER)),
-        # BERT names BertEmbeddings in _no_split_modules, so the embeddings (less the word
-        # embedding, which is tied to the MLM decoder and stays in the root) form a block too.
-        [["bert.embeddings", *layer_names("bert.encoder.layer", 2)]], tokens, hf_loss),
+        # BERT names BertEmbeddings in _no_split_modules too, but there is one of it: no block.
+        [layer_names("bert.encoder.layer", 2)], tokens, hf_loss),
     "t5": Case(
         lambda: tf.T5ForConditionalGeneration(tf.T5Config(
             vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
@@ -222,8 +221,9 @@ HF_CASES: Dict[str, Case] = {
         lambda: tf.ViTForImageClassification(tf.ViTConfig(
             image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
             intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=5, **EAGER)),
-        # ViTEmbeddings is in _no_split_modules; transformers 5.23 moved the layers out of vit.encoder.
-        [["vit.embeddings", *layer_names("vit.layers", 2)], ["vit.embeddings", *layer_names("vit.encoder.layer", 2)]],
+        # ViTEmbeddings is in _no_split_modules but occurs once: no block. transformers 5.23 moved the
+        # layers out of vit.encoder.
+        [layer_names("vit.layers", 2), layer_names("vit.encoder.layer", 2)],
         images, hf_loss),
     "mixtral": Case(hf_causal("MixtralForCausalLM", "MixtralConfig", num_local_experts=4, num_experts_per_tok=2,
                               router_jitter_noise=0.0, output_router_logits=False, **MOE),

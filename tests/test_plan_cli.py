@@ -1,0 +1,104 @@
+"""``python -m bmtwrap plan``: which model class it builds from a folder, and the blocks it prints.
+
+A folder saved by ``save_pretrained`` names its class in ``config.architectures``; the plan must be
+of that class (a BART folder is an encoder-decoder, not ``BartForCausalLM``'s decoder alone), with
+the Auto classes as the fallback and ``--model-class`` as the override. The command runs in this
+process (``main([...])``); the models are tiny and random, and the plan builds them on the meta device.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+import transformers as T
+
+from bmtwrap.__main__ import main
+
+SMALL = dict(vocab_size=64, max_position_embeddings=32)
+
+MODELS = {
+    "bart": lambda: T.BartForConditionalGeneration(T.BartConfig(
+        d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=32, decoder_ffn_dim=32, **SMALL)),
+    "bert": lambda: T.BertForMaskedLM(T.BertConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                                    intermediate_size=32, **SMALL)),
+    "t5": lambda: T.T5ForConditionalGeneration(T.T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=2,
+                                                          num_decoder_layers=2, num_heads=2)),
+    "llama": lambda: T.LlamaForCausalLM(T.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                                      num_attention_heads=2, num_key_value_heads=1, **SMALL)),
+}
+
+EXPECTED = {  # the class the folder was saved from, and its blocks: every repeated layer, the encoder's too
+    "bart": ("BartForConditionalGeneration", ["model.encoder.layers.0", "model.encoder.layers.1",
+                                              "model.decoder.layers.0", "model.decoder.layers.1"]),
+    "bert": ("BertForMaskedLM", ["bert.encoder.layer.0", "bert.encoder.layer.1"]),
+    "t5": ("T5ForConditionalGeneration", ["encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1"]),
+    "llama": ("LlamaForCausalLM", ["model.layers.0", "model.layers.1"]),
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> Dict[str, Path]:
+    root = tmp_path_factory.mktemp("saved")
+    for name, make in MODELS.items():
+        make().save_pretrained(root / name)  # records the class in config.json's architectures
+    return {name: root / name for name in MODELS}
+
+
+def _plan(capsys, folder: Path, *options: str) -> tuple:
+    """The first line (the class built and why), the plan's class and its block names."""
+    assert main(["plan", str(folder), *options]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    planned = re.match(r"WrapPlan for (\w+) over", lines[1]).group(1)
+    rows = [m.group(1) for line in lines[2:] if (m := re.match(r"  (\S+)\s+\w+\s+[\d,]+\s+[\d.]+ MiB", line))]
+    assert rows[0] == "(root)"
+    return lines[0], planned, rows[1:]
+
+
+def _without_architectures(folder: Path, tmp_path: Path, architectures: List[str]) -> Path:
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = architectures
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path / "config.json"
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_plan_builds_the_class_the_config_names(folders, capsys, name):
+    chosen, planned, blocks = _plan(capsys, folders[name])
+    cls, expected_blocks = EXPECTED[name]
+    assert chosen == f"model class: {cls} (named by config.architectures)"
+    assert planned == cls
+    assert blocks == expected_blocks
+
+
+def test_model_class_overrides_the_config(folders, capsys):
+    chosen, planned, blocks = _plan(capsys, folders["bart"], "--model-class", "BartForCausalLM")
+    assert chosen == "model class: BartForCausalLM (given by --model-class)"
+    assert planned == "BartForCausalLM" and blocks == ["model.decoder.layers.0", "model.decoder.layers.1"]
+
+
+@pytest.mark.parametrize("architectures, why", [
+    ([], "config.architectures names no class"),
+    (["BartForSomethingElse"], "config.architectures names BartForSomethingElse, which transformers does not have"),
+])
+def test_auto_classes_choose_when_the_config_names_no_usable_class(folders, capsys, tmp_path, architectures, why):
+    chosen, planned, _ = _plan(capsys, _without_architectures(folders["bart"], tmp_path, architectures))
+    assert chosen == f"model class: BartForCausalLM (AutoModelForCausalLM's choice: {why}; give --model-class to " \
+                     "build another)"
+    assert planned == "BartForCausalLM"
+
+
+def test_model_class_that_transformers_lacks(folders):
+    with pytest.raises(SystemExit, match=r"--model-class BartForEverything: transformers has no model class of that "
+                                         r"name; the classes for BartConfig include .*BartForConditionalGeneration"):
+        main(["plan", str(folders["bart"]), "--model-class", "BartForEverything"])
+
+
+def test_model_class_of_another_model(folders):
+    with pytest.raises(SystemExit, match=r"--model-class BertForMaskedLM builds from a BertConfig, but the config is a "
+                                         r"LlamaConfig; the classes for it include .*LlamaForCausalLM"):
+        main(["plan", str(folders["llama"]), "--model-class", "BertForMaskedLM"])
