@@ -69,6 +69,8 @@ class DistContext:
         zero_level: default ZeRO level of new blocks (2: keep gathered parameters from forward
             until backward; 3: release them after forward and gather again in backward).
         seed: the seed every RNG was seeded with.
+        timeout: how long a collective of ``group`` may wait for the slowest rank: the ``timeout``
+            given to :func:`init_distributed`, or the group's own where the program made it.
         engine: the engine's run-time state (execution order, pending reductions), created on
             first use by :mod:`bmtwrap.schedule`; ``None`` until then.
         inspector: the ``bmtwrap.inspect.inspect_tensor()`` record being taken, if any (see
@@ -86,6 +88,7 @@ class DistContext:
     device: torch.device
     zero_level: int
     seed: int
+    timeout: datetime.timedelta
     engine: Optional[AttachedEngine] = field(default=None, repr=False)
     inspector: Optional[Any] = field(default=None, repr=False)
     copy_streams: Dict[str, Any] = field(default_factory=dict, repr=False)
@@ -207,8 +210,9 @@ def init_distributed(
             to write a consolidated checkpoint of a large model while the others wait, and for the
             first NCCL collective of a large job. When a rank dies or stops taking part, the others
             raise :class:`bmtwrap.CollectiveError` within it (a dead rank that breaks a connection:
-            at once), naming the rank and the operation (see ``bmtwrap/watchdog.py``). Ignored, with
-            a warning, when ``torch.distributed`` was initialised by the caller.
+            at once), naming the rank and the operation (see ``bmtwrap/watchdog.py``). When
+            ``torch.distributed`` was initialised by the caller, the group's own timeout applies,
+            with a warning if it differs from this one.
         check_collectives: a debugging aid: before each of the engine's collectives the ranks
             compare what they are about to run, and raise :class:`bmtwrap.CollectiveError` naming
             both operations and the ranks of each when they differ (ranks running different blocks
@@ -276,10 +280,12 @@ def init_distributed(
         # the process from gloo's threads. The group made here is destroyed at exit.
         atexit.register(_destroy_at_exit)
     else:
-        if timeout is not None:
-            warnings.warn("init_distributed(timeout=...) has no effect: torch.distributed was initialised "
-                          "before; pass the timeout to init_process_group instead", stacklevel=2)
-        wait_limit = _group_timeout(device)
+        # The program's group keeps its timeout; asking for that same one (as its maker did) is no mistake.
+        asked, wait_limit = wait_limit, _group_timeout(device)
+        if timeout is not None and asked != wait_limit:
+            warnings.warn(f"init_distributed(timeout={asked.total_seconds():g} s) has no effect: torch.distributed "
+                          f"was initialised before, with a timeout of {wait_limit.total_seconds():g} s; pass the "
+                          "timeout to init_process_group instead", stacklevel=2)
     _CONTEXT = DistContext(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
@@ -287,6 +293,7 @@ def init_distributed(
         device=device,
         zero_level=zero_level,
         seed=seed,
+        timeout=wait_limit,
     )
     if _CONTEXT.world_size > 1:
         _CONTEXT.watchdog = Watchdog(default_store(), _CONTEXT.rank, _CONTEXT.world_size, wait_limit,
@@ -343,8 +350,10 @@ def synchronize() -> None:
     ctx = current()
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
+    # Naming the GPU tells NCCL which device the barrier runs on (else it guesses, with a warning).
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" and ctx.device.index is not None else None
     with ctx.watched("barrier", "synchronize()"):
-        dist.barrier(group=ctx.group)
+        dist.barrier(group=ctx.group, device_ids=device_ids)
 
 
 def sum_loss(loss: torch.Tensor, method: str = "mean") -> torch.Tensor:

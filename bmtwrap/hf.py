@@ -33,9 +33,11 @@ its override dead code: the tests (same losses as plain Trainer, exact resume) c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, NamedTuple, Optional
 
@@ -65,6 +67,24 @@ SHARDED_FOLDER = "bmtwrap"
 ADAMW_FAMILY = frozenset({"adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused"})
 
 _TRAINER_SIGNATURE = inspect.signature(transformers.Trainer.__init__)
+_DEFAULT_DDP_TIMEOUT = next(f.default for f in dataclasses.fields(TrainingArguments) if f.name == "ddp_timeout")
+
+
+def _fsdp_as_given(args: TrainingArguments) -> str:
+    """``args.fsdp`` as the user spelt it, near enough.
+
+    TrainingArguments (5.x) turns every ``fsdp`` into ``True`` and moves the legacy words into
+    ``fsdp_config`` (``"full_shard"``: ``reshard_after_forward=True``, ``"shard_grad_op"``: False,
+    ``"offload"``: ``cpu_offload``); printing ``fsdp=True`` would name a value nobody wrote.
+    """
+    if not isinstance(args.fsdp, bool):  # a string or a list of FSDPOption, as given
+        words = args.fsdp.split() if isinstance(args.fsdp, str) else [getattr(w, "value", w) for w in args.fsdp]
+        return repr(" ".join(words))
+    config = args.fsdp_config if isinstance(args.fsdp_config, dict) else {}
+    reshard = config.get("reshard_after_forward")
+    words = [{True: "full_shard", False: "shard_grad_op"}.get(reshard, reshard)] if reshard is not None else []
+    words += ["offload"] if config.get("cpu_offload") else []
+    return repr(" ".join(words)) if words else repr(args.fsdp)
 
 
 class _Limit(NamedTuple):
@@ -73,6 +93,7 @@ class _Limit(NamedTuple):
     argument: str  # attribute path on TrainingArguments
     applies: Callable[[TrainingArguments], bool]
     instead: str
+    shown: Optional[Callable[[TrainingArguments], str]] = None  # the value in the message; default its repr
 
 
 _LIMITS = (
@@ -81,7 +102,7 @@ _LIMITS = (
            "wrap_options={'offload_params': True}) for CPU offload"),
     _Limit("fsdp", lambda a: bool(a.fsdp),
            "bmtwrap shards the model itself (ZeRO-3); remove fsdp= and fsdp_config=, and pass the sharding "
-           "options as wrap_options"),
+           "options as wrap_options", _fsdp_as_given),
     _Limit("fsdp_config", lambda a: bool(a.fsdp_config),
            "bmtwrap shards the model itself (ZeRO-3); remove fsdp= and fsdp_config=, and pass the sharding "
            "options as wrap_options"),
@@ -119,8 +140,8 @@ def _refuse_unsupported_args(args: TrainingArguments) -> None:
     """Raise for every TrainingArguments setting that cannot work on a sharded model (before any collective)."""
     for limit in _LIMITS:
         if limit.applies(args):
-            raise NotImplementedError(f"bmtwrap.hf.Trainer does not support {limit.argument}="
-                                      f"{_value(args, limit.argument)!r}: {limit.instead}")
+            shown = limit.shown(args) if limit.shown is not None else repr(_value(args, limit.argument))
+            raise NotImplementedError(f"bmtwrap.hf.Trainer does not support {limit.argument}={shown}: {limit.instead}")
 
 
 def _refuse_unsupported_model(model: Optional[nn.Module], model_init: Any) -> nn.Module:
@@ -184,9 +205,13 @@ def _join(args: TrainingArguments) -> None:
     """
     if not _dist.is_initialized():
         backend = "gloo" if args.use_cpu else args.ddp_backend if args.ddp_backend in ("nccl", "gloo") else None
-        _dist.init_distributed(seed=args.seed, backend=backend, timeout=args.ddp_timeout_delta)
+        # A group made before (by accelerate, from these arguments, or by the program) keeps its own timeout:
+        # _warn_if_timeout_unused says so when it is not the one asked for.
+        made = torch.distributed.is_initialized()
+        _dist.init_distributed(seed=args.seed, backend=backend, timeout=None if made else args.ddp_timeout_delta)
     device = args.device  # accelerate's PartialState: adopts the default group
     ctx = _dist.current()
+    _warn_if_timeout_unused(args, ctx)
     if args.world_size != ctx.world_size:
         raise ValueError(f"TrainingArguments see {args.world_size} process(es) but the process group has "
                          f"{ctx.world_size} ranks: accelerate did not join the job. On a machine without GPUs pass "
@@ -199,6 +224,20 @@ def _join(args: TrainingArguments) -> None:
         raise NotImplementedError(f"args.n_gpu={args.n_gpu}: Trainer would run the model through "
                                   "torch.nn.DataParallel over the GPUs this process sees; bmtwrap runs one process per "
                                   f"GPU: launch with torchrun --nproc_per_node={args.n_gpu}")
+
+
+def _warn_if_timeout_unused(args: TrainingArguments, ctx: _dist.DistContext) -> None:
+    """Warn when the user set ``ddp_timeout`` and the process group has another timeout.
+
+    ``ddp_timeout`` always has a value; only one that differs from TrainingArguments' default (30
+    minutes, bmtwrap's default too) was asked for.
+    """
+    if args.ddp_timeout == _DEFAULT_DDP_TIMEOUT or args.ddp_timeout_delta == ctx.timeout:
+        return
+    warnings.warn(f"TrainingArguments(ddp_timeout={args.ddp_timeout}) has no effect: the process group was made "
+                  f"before this Trainer, with a timeout of {ctx.timeout.total_seconds():g} s; pass the timeout to "
+                  "what makes it (bmtwrap.init_distributed(timeout=...) or torch.distributed.init_process_group)",
+                  stacklevel=4)  # the Trainer(...) call: _warn_if_timeout_unused <- _join <- __init__ <- caller
 
 
 def _inner_optimizer(optimizer: Optional[torch.optim.Optimizer]) -> Optional[torch.optim.Optimizer]:
@@ -280,6 +319,9 @@ class Trainer(transformers.Trainer):
       ``training_args.bin`` are written beside, as Trainer does.
     - ``evaluate()`` and ``predict()`` run on every rank (the forward is a collective) and gather
       as Trainer does; ``trainer.model.generate()`` works when called on every rank.
+    - ``ddp_timeout`` is the process group's timeout where this Trainer (or accelerate, from the
+      same arguments) makes the group; a group made before keeps its own, with a warning when
+      ``ddp_timeout`` was set to another.
 
     Args:
         model: the model to train: a transformers ``PreTrainedModel``, a peft model built on one,

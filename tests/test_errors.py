@@ -8,9 +8,11 @@ whole value, and gathered results must equal the unwrapped module's bit for bit.
 from __future__ import annotations
 
 import copy
+import datetime
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -90,6 +92,20 @@ def test_init_distributed_twice_warns_and_keeps_context(world_of_one):
     with pytest.warns(UserWarning, match=r"init_distributed\(\) was called again"):
         again = bmt.init_distributed(seed=5)
     assert again is world_of_one
+
+
+def test_init_distributed_on_a_group_made_before_warns_only_for_another_timeout(uninitialised):
+    # The module's group was made with the default timeout; bmtwrap adopts it as a program's own group.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same = bmt.init_distributed(seed=0, timeout=1800)
+    assert same.timeout == datetime.timedelta(minutes=30)
+    bmtwrap.dist._CONTEXT = None  # adopt it again (the fixture restores the module's context)
+    with pytest.warns(UserWarning, match=r"init_distributed\(timeout=60 s\) has no effect: torch.distributed was "
+                                         r"initialised before, with a timeout of 1800 s; pass the timeout to "
+                                         r"init_process_group instead"):
+        other = bmt.init_distributed(seed=0, timeout=60)
+    assert other.timeout == datetime.timedelta(minutes=30)
 
 
 _TEARDOWN_PROBE = """

@@ -210,6 +210,52 @@ def test_unsupported_training_argument(tmp_path, argument):
         Trainer(model=_tiny_model(), args=args)
 
 
+@pytest.mark.parametrize("fsdp", ["full_shard", "shard_grad_op offload", "full_shard auto_wrap"])
+def test_fsdp_refusal_names_the_value_given(tmp_path, fsdp):
+    from bmtwrap.hf import Trainer
+
+    args = _args(tmp_path, fsdp=fsdp)  # TrainingArguments turns it into fsdp=True and an fsdp_config
+    given = fsdp.replace(" auto_wrap", "")  # auto_wrap is FSDP's default wrapping, and leaves no trace
+    with pytest.raises(NotImplementedError, match=rf"does not support fsdp='{given}': .*remove fsdp= and fsdp_config="):
+        Trainer(model=_tiny_model(), args=args)
+
+
+# Under torchrun, TrainingArguments makes the process group (accelerate, with ddp_timeout) before the
+# Trainer joins it; then a second Trainer asks for a timeout the group no longer can take.
+TIMEOUT_SCRIPT = """
+import json, sys, warnings
+import transformers as T
+from bmtwrap.hf import Trainer
+
+def timeout_warnings(**overrides):
+    args = T.TrainingArguments(output_dir=sys.argv[1], use_cpu=True, report_to=[], **overrides)
+    model = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=96, hidden_size=16, intermediate_size=32,
+                                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(model=model, args=args)
+    return [[str(w.message), w.filename] for w in caught if "timeout" in str(w.message)]
+
+print(json.dumps({"default": timeout_warnings(), "set_later": timeout_warnings(ddp_timeout=60)}))
+"""
+
+
+def test_ddp_timeout_warns_only_when_set_and_not_in_effect(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
+    # torchrun's variables for a world of one; port 0: the store of rank 0 picks a free one
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT="0", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", TIMEOUT_SCRIPT, str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    seen = json.loads(proc.stdout.splitlines()[-1])
+    assert seen["default"] == [], "a warning about a timeout nobody set"
+    (message, where), = seen["set_later"]
+    assert re.fullmatch(r"TrainingArguments\(ddp_timeout=60\) has no effect: the process group was made before this "
+                        r"Trainer, with a timeout of 1800 s; pass the timeout to what makes it .*", message), message
+    assert where == "<string>", f"the warning points at {where}, not at the Trainer(...) call"
+
+
 def test_model_init_is_refused(tmp_path):
     from bmtwrap.hf import Trainer
 
