@@ -29,16 +29,19 @@ def find_nvcc() -> str | None:
     return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
 
 
-def cuda_arch_flags() -> list[str]:
+def cuda_archs() -> list[str]:
     spec = os.environ.get("BMTWRAP_CUDA_ARCH", "80;90")
     archs = [a.replace(".", "") for a in re.split(r"[;,\s]+", spec) if a]
     if not archs or not all(re.fullmatch(r"\d+[af]?", a) for a in archs):
         raise SystemExit(f"BMTWRAP_CUDA_ARCH={spec!r}: expected compute capabilities such as '80;90' or '9.0'")
-    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    return archs
+
+
+def cuda_arch_flags(archs: list[str]) -> list[str]:
     # PTX of the highest plain arch lets GPUs newer than every listed arch JIT the kernels.
     top = max((int(a) for a in archs if a.isdigit()), default=None)
-    flags += [f"-gencode=arch=compute_{top},code=compute_{top}"] if top else []
-    return flags
+    ptx = [f"-gencode=arch=compute_{top},code=compute_{top}"] if top else []
+    return [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs] + ptx
 
 
 def cuda_library_dirs(nvcc: str) -> list[str]:
@@ -59,8 +62,10 @@ class BuildExt(build_ext):
         nvcc = find_nvcc()
         print(f"bmtwrap._C: CUDA kernels {'built with ' + nvcc if nvcc else 'skipped (no nvcc, or BMTWRAP_NO_CUDA)'}")
         if nvcc and CUDA_SOURCES:
-            ext.define_macros.append(("BMTWRAP_WITH_CUDA", "1"))
-            ext.extra_objects.extend(self.compile_cuda(nvcc, source) for source in CUDA_SOURCES)
+            archs = cuda_archs()
+            # The module reports the architectures (bmtwrap.ops.cuda_archs()), as compiled into its objects.
+            ext.define_macros += [("BMTWRAP_WITH_CUDA", "1"), ("BMTWRAP_CUDA_ARCHS", f'"{";".join(archs)}"')]
+            ext.extra_objects.extend(self.compile_cuda(nvcc, source, archs) for source in CUDA_SOURCES)
             ext.library_dirs.extend(cuda_library_dirs(nvcc))
             # Static cudart: no libcudart.so to find at run time (torch's copy may be another version or in a
             # pip wheel), and the module imports on machines without a driver. --exclude-libs keeps its
@@ -69,13 +74,13 @@ class BuildExt(build_ext):
             ext.extra_link_args.append("-Wl,--exclude-libs,libcudart_static.a")
         super().build_extension(ext)
 
-    def compile_cuda(self, nvcc: str, source: str) -> str:
+    def compile_cuda(self, nvcc: str, source: str, archs: list[str]) -> str:
         obj = os.path.join(self.build_temp, Path(source).with_suffix(".o"))
         mtime = os.path.getmtime(obj) if os.path.exists(obj) else -1.0
         if self.force or any(os.path.getmtime(dep) > mtime for dep in [source, *HEADERS]):
             os.makedirs(os.path.dirname(obj), exist_ok=True)
             cmd = [nvcc, "-O3", "-std=c++17", "-Icsrc", "-Xcompiler", "-fPIC,-fvisibility=hidden",
-                   "--threads", "0", *cuda_arch_flags(), "-c", source, "-o", obj]
+                   "--threads", "0", *cuda_arch_flags(archs), "-c", source, "-o", obj]
             print(" ".join(cmd))
             if subprocess.run(cmd, check=False).returncode != 0:
                 raise SystemExit(f"nvcc failed on {source}; set BMTWRAP_NO_CUDA=1 to build the CPU kernels only")

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -40,6 +41,16 @@ PYBIND11_MODULE(_C, m) {
 #endif
       },
       "Whether the CUDA kernels were compiled in (says nothing about a GPU being present).");
+  m.def(
+      "cuda_archs",
+      []() {
+#ifdef BMTWRAP_CUDA_ARCHS
+        return std::string(BMTWRAP_CUDA_ARCHS);  // set by setup.py: what nvcc compiled the kernels for
+#else
+        return std::string();
+#endif
+      },
+      "The compute capabilities the CUDA kernels were compiled for, ';'-separated (\"80;90\"); empty without them.");
 
   py::enum_<bmtwrap::DType>(m, "DType", "Element type codes; the names match torch's dtype names.")
       .value("float32", bmtwrap::DType::kFloat32)

@@ -38,6 +38,6 @@ else
     mkdir -p build
     echo "$wanted" > "$stamp"
 fi
-"$PYTHON" -c "from bmtwrap import ops; import bmtwrap; print('install.sh: bmtwrap', bmtwrap.__version__, \
-'with compiled kernels' if ops.extension_available() else 'WITHOUT compiled kernels', \
-'(CUDA kernels built)' if ops.extension_available(cuda=True) else '')"
+# e.g. "with compiled kernels: CPU (AVX2), CUDA for sm_80, sm_90 (no GPU visible: the CPU kernels and torch run here)"
+"$PYTHON" -c "import bmtwrap; from bmtwrap.ops import _ext; print('install.sh: bmtwrap', bmtwrap.__version__, \
+_ext.build_summary())"

@@ -2,10 +2,10 @@
 
 One module per kernel family, mirroring ``csrc/``:
 
-- ``_ext``: the only importer of ``bmtwrap._C``: finding it for a device, the one-time fallback warning,
-  dtype codes, raw CUDA streams, and the tensor checks every op shares (see [Note: tensors crossing into
-  C++] in ``csrc/common.h``: every public op checks type, dtype, layout, device and contiguity before a
-  pointer leaves Python);
+- ``_ext``: the only importer of ``bmtwrap._C``: finding it for a device, what it was built for
+  (:func:`cuda_archs`), the one-time fallback warning, dtype codes, raw CUDA streams, and the tensor
+  checks every op shares (see [Note: tensors crossing into C++] in ``csrc/common.h``: every public op
+  checks type, dtype, layout, device and contiguity before a pointer leaves Python);
 - ``inf_nan``: :func:`has_inf_nan`, :func:`has_inf_nan_into` (``csrc/{cpu,cuda}/inf_nan``);
 - ``adam_cpu``, ``adam_cuda``: :func:`adam_step_cpu`, :func:`adam_step_cuda` (``csrc/cpu/adam.cpp``,
   ``csrc/cuda/adam.cu``);
@@ -18,7 +18,7 @@ missing (or was built without CUDA and the tensor is on a GPU), with one warning
 what ``tests/test_ops.py`` compares the kernels against.
 """
 
-from ._ext import extension_available
+from ._ext import cuda_archs, extension_available
 from .adam_cpu import adam_step_cpu
 from .adam_cuda import adam_step_cuda
 from .cross_entropy import cross_entropy_backward_, cross_entropy_forward
@@ -42,6 +42,7 @@ __all__ = [
     "adam_step_cuda",
     "cross_entropy_backward_",
     "cross_entropy_forward",
+    "cuda_archs",
     "extension_available",
     "has_inf_nan",
     "has_inf_nan_into",

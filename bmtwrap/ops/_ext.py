@@ -54,6 +54,51 @@ def extension_available(*, cuda: bool = False) -> bool:
     return bool(_C.has_cuda()) if cuda else True
 
 
+def cuda_archs() -> list[str]:
+    """The GPU architectures the CUDA kernels of ``bmtwrap._C`` were compiled for, e.g. ``["sm_80", "sm_90"]``.
+
+    The build takes them from ``BMTWRAP_CUDA_ARCH`` (default ``80;90``, see setup.py); the highest
+    also ships as PTX, which the driver compiles on first use for a newer GPU.
+
+    Returns:
+        An empty list if there are no CUDA kernels: ``bmtwrap._C`` is missing, or was built without
+        nvcc (or with ``BMTWRAP_NO_CUDA=1``).
+
+    Example::
+
+        >>> from bmtwrap import ops
+        >>> ops.cuda_archs()
+        ['sm_80', 'sm_90']
+    """
+    if _C is None or not _C.has_cuda():
+        return []
+    return [f"sm_{arch}" for arch in _C.cuda_archs().split(";") if arch]
+
+
+def build_summary() -> str:
+    """One line on the compiled kernels and the GPU this process sees (what scripts/install.sh prints)."""
+    if _C is None:
+        return "WITHOUT compiled kernels: every op runs its plain-PyTorch reference"
+    archs = cuda_archs()
+    cuda = f"CUDA for {', '.join(archs)}" if archs else "no CUDA: built without nvcc or with BMTWRAP_NO_CUDA=1"
+    return f"with compiled kernels: CPU ({cpu_isas()[-1].upper()}), {cuda} ({_gpu_note(archs)})"
+
+
+def _gpu_note(archs: list[str]) -> str:
+    if not torch.cuda.is_available():
+        return "no GPU visible: the CPU kernels and torch run here"
+    major, minor = torch.cuda.get_device_capability()
+    here = f"GPU visible: {torch.cuda.get_device_name()}, sm_{major}{minor}"
+    plain = [int(a.removeprefix("sm_")) for a in archs if a.removeprefix("sm_").isdigit()]
+    if not archs:
+        return f"{here}; its ops run their plain-PyTorch references"
+    if f"sm_{major}{minor}" in {a.rstrip("af") for a in archs}:  # sm_90a: features of the sm_90 GPUs alone
+        return here
+    if plain and major * 10 + minor > max(plain):
+        return f"{here}: the kernels run from the sm_{max(plain)} PTX, compiled by the driver on first use"
+    return f"{here}, which has no kernel image among them: rebuild with BMTWRAP_CUDA_ARCH={major}{minor}"
+
+
 def extension_for(device: torch.device) -> ModuleType | None:
     """The extension if it has kernels for ``device``; otherwise None, after warning once."""
     if _C is None:
