@@ -2,16 +2,23 @@
 
 Checked against references outside the example: the exported folder is loaded here by plain
 transformers (and peft for an adapter) and must generate the same sample; a run stopped and resumed
-must log the same losses, bit for bit, as an uninterrupted one.
+must log the same losses, bit for bit, as an uninterrupted one (close ones on another number of
+processes). A run that cannot learn must exit non-zero, naming why. Every mistake a user can make
+in the arguments or inputs is one message and exit status 2; the ones found before torchrun starts
+are tested in this process, through the example's own main().
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Dict, List
 
 import pytest
@@ -22,19 +29,27 @@ from launch import ROOT
 EXAMPLE = ROOT / "examples" / "finetune_hf.py"
 SHORT = ["--processes", "2", "--steps", "8", "--warmup", "2", "--save-every", "4", "--eval-batches", "2",
          "--seq", "64", "--batch", "4", "--sample-tokens", "12"]
+# A shorter run for the models made here: a few steps show whether it learns.
+QUICK = ["--processes", "2", "--steps", "4", "--save-every", "0", "--eval-batches", "1", "--seq", "64", "--batch", "4",
+         "--sample-tokens", "8"]
 
 
-def run_example(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+def run_example(*args: str, check: bool = True, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, env=env, timeout=600,
+                          cwd=cwd)
     if check and proc.returncode != 0:
         raise AssertionError(f"finetune_hf.py {' '.join(args)} failed ({proc.returncode}):\n"
                              f"{(proc.stdout + proc.stderr)[-5000:]}")
     return proc
 
 
+def log_lines(out: Path) -> List[Dict[str, Any]]:
+    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+
+
 def losses(out: Path) -> Dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())}
+    return {r["step"]: r["loss"] for r in log_lines(out)}
 
 
 def summary(out: Path) -> Dict[str, Any]:
@@ -42,13 +57,44 @@ def summary(out: Path) -> Dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory) -> Path:
+def example() -> ModuleType:
+    """The example as a module: its checks and judge() called here, without a process."""
+    if str(EXAMPLE.parent) not in sys.path:  # the example imports finetune_hf_cli from beside it
+        sys.path.insert(0, str(EXAMPLE.parent))
+    spec = importlib.util.spec_from_file_location("finetune_hf", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["finetune_hf"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def refused(example: ModuleType, capsys: pytest.CaptureFixture, *argv: str) -> str:
+    """The one message main() prints for a mistake found before any process starts (exit status 2)."""
+    with pytest.raises(SystemExit) as leaving:
+        example.main(list(argv))
+    err = capsys.readouterr().err
+    assert leaving.value.code == 2, err
+    return err
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("full")
     run_example(*SHORT, "--out", str(out))
     return out
 
 
-def test_the_default_learns_and_reports(full_run):
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SHORT stopped after step 4 (checkpoint of step 4); tests resume copies of it."""
+    out = tmp_path_factory.mktemp("stopped")
+    first = run_example(*SHORT, "--out", str(out), "--stop-at", "4")
+    assert "continue with --resume" in first.stdout
+    assert sorted(losses(out)) == [1, 2, 3, 4]
+    return out
+
+
+def test_the_default_learns_and_reports(full_run: Path) -> None:
     s = summary(full_run)
     log = losses(full_run)
     assert sorted(log) == list(range(1, 9)), f"steps logged: {sorted(log)}"
@@ -57,9 +103,10 @@ def test_the_default_learns_and_reports(full_run):
     assert s["ppl_after"] < 0.7 * s["ppl_before"], f"held-out perplexity {s['ppl_before']} -> {s['ppl_after']}"
     assert (full_run / "checkpoint" / "index.json").is_file()
     assert s["sample"].startswith("And God said")
+    assert s["failures"] == [] and s["grad_norm_max"] > 0
 
 
-def test_plain_transformers_loads_the_export_and_generates_the_same_sample(full_run):
+def test_plain_transformers_loads_the_export_and_generates_the_same_sample(full_run: Path) -> None:
     import transformers
 
     folder = full_run / "hf"
@@ -73,18 +120,44 @@ def test_plain_transformers_loads_the_export_and_generates_the_same_sample(full_
     assert s["reloaded_check_loss"] == pytest.approx(s["check_loss"], rel=1e-5)
 
 
-def test_resume_continues_with_the_same_losses(full_run, tmp_path):
-    first = run_example(*SHORT, "--out", str(tmp_path), "--stop-at", "4")
-    assert "continue with --resume" in first.stdout
-    assert sorted(losses(tmp_path)) == [1, 2, 3, 4]
-    run_example(*SHORT, "--out", str(tmp_path), "--resume")
-    resumed, uninterrupted = losses(tmp_path), losses(full_run)
+def test_resume_continues_with_the_same_losses(full_run: Path, stopped_run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    shutil.copytree(stopped_run, out)
+    # As a run killed after step 6 leaves its log: two steps past the checkpoint, the last line cut short.
+    with (out / "log.jsonl").open("a") as log:
+        log.write(json.dumps({"step": 5, "loss": 0.0}) + "\n" + json.dumps({"step": 6, "loss": 0.0}) + '\n{"st')
+    run_example(*SHORT, "--out", str(out), "--resume")
+    assert [r["step"] for r in log_lines(out)] == list(range(1, 9)), "the log repeats or lacks steps"
+    resumed, uninterrupted = losses(out), losses(full_run)
     assert resumed == uninterrupted, f"resumed {resumed}\nuninterrupted {uninterrupted}"
-    assert summary(tmp_path)["ppl_after"] == summary(full_run)["ppl_after"]
-    assert summary(tmp_path)["start_step"] == 4
+    assert summary(out)["ppl_after"] == summary(full_run)["ppl_after"]
+    assert summary(out)["start_step"] == 4
 
 
-def test_lora_adapter_reloads_with_peft(tmp_path):
+def test_resume_on_another_number_of_processes(full_run: Path, stopped_run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    shutil.copytree(stopped_run, out)
+    run_example(*SHORT, "--out", str(out), "--resume", "--processes", "1")
+    s = summary(out)
+    assert s["world_size"] == 1 and s["start_step"] == 4 and s["failures"] == []
+    # One process takes the 8 sequences of a step that two took 4 by 4 (the per-process batch
+    # follows): the same data and math, but each mean and the gradient average are summed in
+    # another order, so float32 differs in the 7th digit, carried on by Adam over 4 steps.
+    resumed, uninterrupted = losses(out), losses(full_run)
+    assert sorted(resumed) == list(range(1, 9))
+    for step in range(5, 9):
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-4), f"step {step}"
+    assert s["ppl_after"] == pytest.approx(summary(full_run)["ppl_after"], rel=1e-4)
+
+
+def test_resume_on_processes_that_cannot_share_the_batch(example: ModuleType, capsys: pytest.CaptureFixture,
+                                                          stopped_run: Path) -> None:
+    err = refused(example, capsys, *SHORT, "--out", str(stopped_run), "--resume", "--processes", "3")
+    assert ("--resume on 3 processes: the checkpoint's run took 8 sequences per step, which 3 processes cannot "
+            "share evenly; resume on 1, 2, 4, 8 processes") in err
+
+
+def test_lora_adapter_reloads_with_peft(tmp_path: Path) -> None:
     import peft
 
     run_example(*SHORT, "--out", str(tmp_path), "--lora", "--lora-rank", "4", "--steps", "4", "--save-every", "0")
@@ -98,21 +171,233 @@ def test_lora_adapter_reloads_with_peft(tmp_path):
     assert s["reloaded_sample"] == s["sample"]
 
 
-BAD: List[tuple] = [
-    (["--stop-at", "0"], "--stop-at must be in [1, --steps=8], got 0"),
-    (["--warmup", "9"], "--warmup must be in [0, --steps=8], got 9"),
-    (["--model", "no-such-folder"], "--model no-such-folder: no config.json there"),
-    (["--data", "no-such-file.txt"], "--data no-such-file.txt: no such file"),
+# --- did it learn? ----------------------------------------------------------------------------------------
+
+
+def learned(example: ModuleType) -> Any:
+    return example.Summary(world_size=2, device="cpu", start_step=0, last_step=8, trainable_parameters=2_000_000,
+                           ppl_before=2048.0, steps_run=8, grad_norm_max=1.7, ppl_after=600.0, sample="And God said,",
+                           check_loss=6.4, reloaded_sample="And God said,", reloaded_check_loss=6.4)
+
+
+def test_judge_passes_a_run_that_learned(example: ModuleType) -> None:
+    assert example.judge(learned(example), torch.float32) == ([], [])
+
+
+def test_judge_a_stopped_run_by_what_it_has(example: ModuleType) -> None:
+    stopped = dataclasses.replace(learned(example), last_step=4, ppl_after=None, sample=None, check_loss=None,
+                                  reloaded_sample=None, reloaded_check_loss=None)
+    assert example.judge(stopped, torch.float32) == ([], [])
+    failures, _ = example.judge(dataclasses.replace(stopped, grad_norm_max=0.0), torch.float32)
+    assert len(failures) == 1 and "the gradient norm was 0" in failures[0]
+
+
+FAILURES = [
+    ({"trainable_parameters": 0}, "the model has no trainable parameter"),
+    ({"grad_norm_max": 0.0}, "the gradient norm was 0 or not finite at every one of the 8 steps"),
+    ({"grad_norm_max": None}, "the gradient norm was 0 or not finite at every one of the 8 steps"),
+    ({"ppl_after": 2048.0}, "held-out perplexity did not fall: 2048.00 at step 0, 2048.00 at step 8"),
+    ({"reloaded_check_loss": 6.402}, "the export reloaded by plain transformers gives another loss"),
+    ({"reloaded_sample": "And God saw"}, "the export reloaded by plain transformers generates another sample"),
 ]
 
 
-@pytest.mark.parametrize("extra,message", BAD, ids=[b[0][0] for b in BAD])
-def test_bad_arguments_are_named(tmp_path, extra, message):
-    proc = run_example(*SHORT, "--out", str(tmp_path), *extra, check=False)
-    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+@pytest.mark.parametrize("change,reason", FAILURES, ids=[next(iter(c)) + "=" + str(next(iter(c.values())))
+                                                         for c, _ in FAILURES])
+def test_judge_names_each_reason(example: ModuleType, change: Dict[str, Any], reason: str) -> None:
+    failures, _ = example.judge(dataclasses.replace(learned(example), **change), torch.float32)
+    assert len(failures) == 1 and reason in failures[0], failures
 
 
-def test_resume_without_a_checkpoint(tmp_path):
-    proc = run_example(*SHORT, "--out", str(tmp_path), "--resume", check=False)
-    assert proc.returncode != 0
-    assert f"--resume: no checkpoint in {tmp_path / 'checkpoint'}; train without --resume first" in proc.stdout + proc.stderr
+def test_judge_in_bfloat16(example: ModuleType) -> None:
+    # 1% apart: within bfloat16's tolerance; the sample then flips on a near-tie: a warning only.
+    near = dataclasses.replace(learned(example), reloaded_check_loss=6.46, reloaded_sample="And God saw")
+    failures, warnings = example.judge(near, torch.bfloat16)
+    assert failures == [] and "near-tie" in warnings[0]
+    far = dataclasses.replace(near, reloaded_check_loss=7.0)
+    failures, _ = example.judge(far, torch.bfloat16)
+    assert len(failures) == 2 and "another loss" in failures[0] and "another sample" in failures[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_models(full_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of small models saved by save_pretrained, each with the default run's tokenizer."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(full_run / "tokenizer")
+    folder = tmp_path_factory.mktemp("models")
+    special = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    zero = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        **special))
+    with torch.no_grad():
+        for param in zero.parameters():
+            param.zero_()  # every activation and every gradient is then exactly 0
+    gemma2 = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=32, pad_token_id=tokenizer.eos_token_id, **special))
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=64,
+                                                                **special))
+    for name, model in [("zero", zero), ("gemma2", gemma2), ("gpt2", gpt2)]:
+        model.save_pretrained(folder / name)
+        tokenizer.save_pretrained(folder / name)
+    return folder
+
+
+def test_a_model_that_cannot_learn_fails_the_run(tiny_models: Path) -> None:
+    # Relative --model and --out, from the user's directory: they resolve there.
+    proc = run_example(*QUICK, "--model", "zero", "--out", "out-zero", cwd=tiny_models, check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-3000:]
+    assert (tiny_models / "out-zero" / "summary.json").is_file() and (tiny_models / "out-zero" / "hf").is_dir()
+    assert "the run failed its checks (its outputs are kept in out-zero)" in output
+    assert "the gradient norm was 0 or not finite at every one of the 4 steps: nothing reached the weights" in output
+    assert "held-out perplexity did not fall" in output
+    assert "ChildFailedError" not in output and "Traceback" not in output
+
+
+def test_gemma2_learns(tiny_models: Path, tmp_path: Path) -> None:
+    # Gemma2 scales its embeddings by a non-persistent buffer, which from_pretrained must fill.
+    run_example(*QUICK, "--model", str(tiny_models / "gemma2"), "--out", str(tmp_path))
+    s = summary(tmp_path)
+    assert s["failures"] == [] and s["ppl_after"] < 0.9 * s["ppl_before"], s
+
+
+def test_lora_finds_gpt2s_linear_layers(tiny_models: Path, tmp_path: Path) -> None:
+    # GPT-2's linear layers are Conv1D modules named c_attn, c_proj, c_fc: peft's all-linear finds them.
+    run_example(*QUICK, "--model", str(tiny_models / "gpt2"), "--out", str(tmp_path), "--lora", "--lora-rank", "4",
+                "--lr", "1e-2")
+    s = summary(tmp_path)
+    assert s["failures"] == [], s["failures"]
+    targets = json.loads((tmp_path / "hf" / "adapter_config.json").read_text())["target_modules"]
+    assert {name.rsplit(".", 1)[-1] for name in targets} == {"c_attn", "c_proj", "c_fc"}, targets
+
+
+# --- mistakes: one message, exit status 2 -----------------------------------------------------------------
+
+
+BAD_ARGUMENTS: List[tuple] = [
+    (["--steps", "-5"], "--steps must be >= 1, got -5"),
+    (["--batch", "0"], "--batch must be >= 1, got 0"),
+    (["--seq", "1"], "--seq must be >= 2"),
+    (["--grad-accum", "0"], "--grad-accum must be >= 1, got 0"),
+    (["--lr", "0"], "--lr must be a positive number, got 0.0"),
+    (["--holdout", "1.5"], "--holdout must be in (0, 1)"),
+    (["--stop-at", "0"], "--stop-at must be in [1, --steps=8], got 0"),
+    (["--warmup", "9"], "--warmup must be in [0, --steps=8], got 9"),
+    (["--lora-targets", "q_proj"], "--lora-targets names the layers --lora adapts"),
+]
+
+
+@pytest.mark.parametrize("extra,message", BAD_ARGUMENTS, ids=[b[0][0] for b in BAD_ARGUMENTS])
+def test_bad_arguments_are_named(example: ModuleType, capsys: pytest.CaptureFixture, tmp_path: Path, extra: List[str],
+                                 message: str) -> None:
+    assert message in refused(example, capsys, *SHORT, "--out", str(tmp_path), *extra)
+
+
+def test_default_warmup_follows_steps(example: ModuleType) -> None:
+    assert example.parse_args(["--steps", "5"]).warmup == 0
+    assert example.parse_args(["--steps", "300"]).warmup == 30
+
+
+LATIN1_BEFORE = "In the beginning God cr"
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Folders holding only a config.json: what the checks before training read."""
+    import transformers
+
+    folder = tmp_path_factory.mktemp("configs")
+    small = dict(vocab_size=300, d_model=32)
+    for name, config, architecture in [
+        ("bart", transformers.BartConfig(**small, encoder_layers=1, decoder_layers=1), "BartForConditionalGeneration"),
+        ("t5", transformers.T5Config(**small, num_layers=1), "T5ForConditionalGeneration"),
+        ("gpt2", transformers.GPT2Config(vocab_size=300, n_embd=32, n_layer=1, n_head=2, n_positions=64),
+         "GPT2LMHeadModel"),
+    ]:
+        config.architectures = [architecture]
+        config.save_pretrained(folder / name)
+    (folder / "latin1.txt").write_bytes(f"{LATIN1_BEFORE}éated".encode("latin-1"))
+    return folder
+
+
+def test_bad_inputs_are_named_before_training(example: ModuleType, capsys: pytest.CaptureFixture, configs: Path,
+                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(configs)  # relative paths are the user's: named as given
+    bad = {
+        ("--model", "no-such-folder"): "--model no-such-folder: no config.json there",
+        ("--data", "no-such-file.txt"): "--data no-such-file.txt: no such file",
+        ("--data", "latin1.txt"): f"--data latin1.txt is not UTF-8 text: byte 0xe9 at offset {len(LATIN1_BEFORE)} "
+                                  "(invalid continuation byte); convert it first, e.g. `iconv -f LATIN1 -t UTF-8 "
+                                  "latin1.txt > latin1.utf8.txt`",
+        ("--model", "bart"): "--model bart holds a BartForConditionalGeneration (sequence-to-sequence): "
+                             "finetune_hf.py fine-tunes causal language models",
+        ("--model", "t5"): "--model t5 holds a T5ForConditionalGeneration (sequence-to-sequence)",
+        ("--model", "gpt2", "--seq", "128"): "--seq 128 is longer than the 64 positions of --model gpt2",
+        ("--lora", "--lora-targets", "c_attn,q_proj"): "--lora-targets c_attn,q_proj: the model has no layer named "
+                                                       "c_attn that LoRA can adapt; its layers are named down_proj, ",
+    }
+    for argv, message in bad.items():
+        err = refused(example, capsys, *SHORT, "--out", str(tmp_path), *argv)
+        assert message in err, f"{argv}: {err}"
+
+
+def test_unwritable_out_is_found_before_training(example: ModuleType, capsys: pytest.CaptureFixture,
+                                                 tmp_path: Path) -> None:
+    # Tests run as root, which writes anywhere: a file where a folder must be is what stops them.
+    (tmp_path / "a-file").write_text("")
+    err = refused(example, capsys, *SHORT, "--out", str(tmp_path / "a-file" / "out"))
+    assert f"cannot create the folder {tmp_path / 'a-file' / 'out'}: {tmp_path / 'a-file'} is a file" in err
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "checkpoint").write_text("")
+    err = refused(example, capsys, *SHORT, "--out", str(tmp_path / "out"))
+    assert f"{tmp_path / 'out' / 'checkpoint'} is a file; move it away or give another --out" in err
+
+
+def test_resume_without_a_checkpoint(example: ModuleType, capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    err = refused(example, capsys, *SHORT, "--out", str(tmp_path), "--resume")
+    assert f"--resume: no checkpoint in {tmp_path / 'checkpoint'}; train without --resume first" in err
+
+
+def assert_one_clean_message(proc: subprocess.CompletedProcess, message: str) -> None:
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-3000:]
+    lines = [line for line in output.splitlines() if message in line]
+    assert len(lines) == 1 and lines[0].startswith(f"finetune_hf.py: error: {message}"), output
+    assert "ChildFailedError" not in output and "Traceback" not in output, output[-3000:]
+
+
+def test_a_mistake_found_before_torchrun_is_one_message(tmp_path: Path) -> None:
+    proc = run_example(*SHORT, "--out", str(tmp_path), "--data", str(tmp_path / "text.txt"), check=False)
+    assert_one_clean_message(proc, f"--data {tmp_path / 'text.txt'}: no such file")
+    assert "starting 2 processes" not in proc.stdout
+
+
+def test_a_mistake_the_workers_find_is_one_message(tmp_path: Path) -> None:
+    data = tmp_path / "short.txt"
+    data.write_text("In the beginning God created the heaven and the earth.\n" * 8)
+    proc = run_example(*SHORT, "--out", str(tmp_path / "out"), "--data", str(data), check=False)
+    assert "starting 2 processes" in proc.stdout
+    assert_one_clean_message(proc, f"--data {data}: its ")
+    assert "tokens are too few for --seq 64 with --holdout 0.1 on 2 processes" in proc.stderr
+
+
+def test_finetune_sh_keeps_the_users_directory(tmp_path: Path) -> None:
+    # finetune.sh in a checkout whose install.sh and example are stand-ins: only its own paths are tested.
+    checkout, user = tmp_path / "checkout", tmp_path / "user"
+    (checkout / "scripts").mkdir(parents=True)
+    (checkout / "examples").mkdir()
+    user.mkdir()
+    shutil.copy(ROOT / "scripts" / "finetune.sh", checkout / "scripts")
+    (checkout / "scripts" / "install.sh").write_text('echo "install.sh $*"\n')
+    (checkout / "examples" / "finetune_hf.py").write_text(
+        "import json, os, sys\nprint(json.dumps({'cwd': os.getcwd(), 'argv': sys.argv[1:]}))\n")
+    proc = subprocess.run(["bash", str(checkout / "scripts" / "finetune.sh"), "--model", "./Llama", "--out", "out"],
+                          cwd=user, capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHON=sys.executable))
+    assert proc.returncode == 0, proc.stderr
+    install, seen = proc.stdout.splitlines()
+    assert install == "install.sh examples"
+    assert json.loads(seen) == {"cwd": str(user), "argv": ["--model", "./Llama", "--out", "out"]}
