@@ -319,7 +319,7 @@ def save_checkpoint(folder: PathLike, model: nn.Module, optimizer: OptimizerArg 
         if failure is None:
             try:
                 _commit(folder, _build_index(tag, ctx.world_size, [report[1] for report in reports], head))
-            except (OSError, SafetensorError) as caught:
+            except OSError as caught:  # the index is JSON: no safetensors error can come from here
                 error = _unwritable(folder, caught)
                 failure = _describe(error)
             except Exception as caught:
