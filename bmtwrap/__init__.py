@@ -14,6 +14,7 @@ Public names only; see each one's docstring. A BMTrain program runs after ``impo
 #   param.py         DistributedParameter and the shard arithmetic (FlatLayout, LocalPiece)
 #   collectives.py   all-gather, reduce-scatter, all-reduce: one free function each
 #   offload.py       what a flat buffer keeps on the host, and the host memory it lives in
+#   memory.py        sizes ("24GiB"), the GPU memory gauge, and what an out-of-memory step says
 #   ops/             checked entry points to the compiled kernels (the only importer of _C)
 #   group.py         the communication unit: flat buffers, ShardState, gather/release/reduce-scatter
 #   on_demand.py     a forward's torch-function mode: a block's parameter used outside it is gathered
@@ -27,7 +28,8 @@ Public names only; see each one's docstring. A BMTrain program runs after ``impo
 #   block.py         Block / CheckpointBlock
 #   blocklist.py     TransformerBlockList
 #   module.py        DistributedModule (the root of a hand-written model), init_parameters
-# wrap/              the converter: detect.py, plan.py, adapters.py, convert.py (wrap, plan, materialize);
+# wrap/              the converter: detect.py, plan.py, adapters.py, convert.py (wrap, plan, materialize),
+#                    auto.py (checkpoint="auto": the decision from measured memory, and its recovery);
 #                    it reaches the engine directly, never through the BMTrain classes
 # front ends
 #   optim/           AdamOptimizer, AdamOffloadOptimizer, OptimManager (import the engine only)

@@ -14,6 +14,8 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
+from .memory import parse_bytes
+
 DESCRIPTION = """\
 Print what bmtwrap.wrap would do to a Hugging Face model: the blocks it makes (each repeated layer
 sharded, gathered and checkpointed on its own), what stays in the root group, and the memory of
@@ -153,6 +155,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="activation checkpointing of the blocks, as wrap(checkpoint=...) (default auto, "
                            "planned as true, since wrap decides in the first step)")
     plan.add_argument("--no-checkpoint", action="store_true", help="the same as --checkpoint false")
+    plan.add_argument("--max-gpu-memory", metavar="SIZE",
+                      help="a GPU memory budget per rank, as wrap(max_gpu_memory=...), e.g. 24GiB: with --checkpoint "
+                           "auto and a batch shape, the blocks whose activations fit are planned kept, and the plan "
+                           "says whether it fits")
     plan.add_argument("--offload", action="store_true",
                       help="plan for AdamOffloadOptimizer: optimizer state in host memory")
     plan.add_argument("--offload-fraction", type=float, default=1.0,
@@ -176,6 +182,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise SystemExit("give --batch-size and --seq-len together (the activation estimate needs both)")
     if args.offload_fraction != 1.0 and not args.offload:
         raise SystemExit("--offload-fraction applies to --offload; add --offload")
+    budget = None
+    if args.max_gpu_memory is not None:
+        try:
+            budget = parse_bytes(args.max_gpu_memory, name="--max-gpu-memory")
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
 
     from .wrap import plan as make_plan
 
@@ -185,7 +197,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     checkpoint = {"true": True, "false": False, "auto": "auto"}["false" if args.no_checkpoint else args.checkpoint]
     print(make_plan(model, world_size=args.world_size, checkpoint=checkpoint, batch_size=args.batch_size,
                     seq_len=args.seq_len, offload_optimizer=args.offload, offload_fraction=args.offload_fraction,
-                    offload_params=args.offload_params, ranks_per_host=args.ranks_per_host))
+                    offload_params=args.offload_params, ranks_per_host=args.ranks_per_host, max_gpu_memory=budget))
     return 0
 
 

@@ -37,6 +37,12 @@ from torch.profiler import record_function
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
+try:
+    from torch.utils.checkpoint import _StopRecomputationError as _StopRecomputation
+except ImportError:  # a torch without early stopping never raises it
+    class _StopRecomputation(Exception):  # type: ignore[no-redef]
+        pass
+
 from . import dist as _dist
 from .collectives import all_reduce_mean
 from .group import ParamGroup, PendingReduction
@@ -119,8 +125,12 @@ class BlockRunner:
                                              exclude=exclude, allow_meta=allow_meta, offload=offload)
         # Parameters under this module that another group (the root) owns: shared or tied weights.
         self.reads_foreign = any(id(p) in exclude for p in module.parameters())
-        # Told the bytes a recomputation kept alive (checkpoint="auto" measures with it); CUDA only.
+        # Told the bytes a recomputation kept alive (checkpoint="auto" measures with it), read with _allocated.
         self._activation_probe: Optional[Callable[["BlockRunner", int], None]] = None
+        self._allocated: Optional[Callable[[], int]] = None
+        # Asked when this block, not recomputing, runs out of memory in its forward: True if it should recompute
+        # and run again (checkpoint="auto" in its first steps; see wrap/auto.py).
+        self.on_out_of_memory: Optional[Callable[["BlockRunner"], bool]] = None
         self.next_block: Optional[BlockRunner] = None  # execution-order links (schedule.ExecutionOrder)
         self.prev_block: Optional[BlockRunner] = None
         # Backward events still expected from the forwards since the last backward (see _maybe_release).
@@ -128,9 +138,12 @@ class BlockRunner:
         self._awaiting_params = 0
         self._engine.register_block(module, self)
 
-    def measure_activations(self, probe: Optional[Callable[["BlockRunner", int], None]]) -> None:
-        """Tell ``probe`` the bytes each recomputation of this block keeps alive (CUDA); ``None`` stops it."""
+    def measure_activations(self, probe: Optional[Callable[["BlockRunner", int], None]],
+                            allocated: Optional[Callable[[], int]]) -> None:
+        """Tell ``probe`` the bytes each recomputation of this block keeps alive, as ``allocated()`` (the bytes in
+        live tensors) counts them; ``None`` stops it."""
         self._activation_probe = probe
+        self._allocated = allocated
 
     def keep_activations(self) -> None:
         """Stop recomputing: from the next forward on, this block keeps its activations for backward."""
@@ -161,13 +174,10 @@ class BlockRunner:
 
         eng.enter_block()
         try:
-            if recording and self.recompute:
-                out = checkpoint(self._body, call, args, kwargs, use_reentrant=False)
-            elif recording and self.zero_level == 3:
-                with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                    out = self._body(call, args, kwargs)
-            else:
-                out = self._body(call, args, kwargs)
+            out = self._forward(call, args, kwargs, recording)
+        except BaseException as error:
+            eng.step_failed(error, f"the forward of block {self.name!r}")
+            raise
         finally:
             eng.leave_block()
 
@@ -179,12 +189,42 @@ class BlockRunner:
             self.group.release()
         return out
 
+    def _forward(self, call: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any], recording: bool) -> Any:
+        if recording and self.recompute:
+            return checkpoint(self._body, call, args, kwargs, use_reentrant=False)
+        if not recording or self.on_out_of_memory is None:
+            return self._keeping(call, args, kwargs, recording)
+        # A kept block in checkpoint="auto"'s first steps: out of memory makes it recompute instead (wrap/auto.py).
+        rng = _rng_state(self._engine.ctx.device)
+        try:
+            return self._keeping(call, args, kwargs, recording)
+        except torch.OutOfMemoryError:
+            if not self.on_out_of_memory(self):
+                raise
+        # Out of the handler: the failed attempt's partial graph, held by its traceback, is freed by now.
+        _set_rng_state(self._engine.ctx.device, rng)
+        return checkpoint(self._body, call, args, kwargs, use_reentrant=False)
+
+    def _keeping(self, call: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any], recording: bool) -> Any:
+        if recording and self.zero_level == 3:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                return self._body(call, args, kwargs)
+        return self._body(call, args, kwargs)
+
     def _body(self, call: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        if self.reads_foreign and in_backward():
-            # Recomputing in backward: the root has swapped its full views out since forward.
-            with self._engine.roots_shown():
-                return self._run_module(call, args, kwargs)
-        return self._run_module(call, args, kwargs)
+        if not in_backward():
+            return self._run_module(call, args, kwargs)
+        try:
+            if self.reads_foreign:
+                # Recomputing in backward: the root has swapped its full views out since forward.
+                with self._engine.roots_shown():
+                    return self._run_module(call, args, kwargs)
+            return self._run_module(call, args, kwargs)
+        except _StopRecomputation:  # checkpointing ends a recomputation early by raising this
+            raise
+        except BaseException as error:
+            self._engine.step_failed(error, f"the recomputation of block {self.name!r} in backward")
+            raise
 
     def _run_module(self, call: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         views = self.group.unshard()
@@ -201,12 +241,12 @@ class BlockRunner:
         # Inside backward this is the recomputation: what it allocates and keeps is the block's activations.
         # Checkpointing stops the recomputation by raising once the last saved tensor is rebuilt, so
         # report from `finally`: by then every activation backward needs is allocated.
-        device = self._engine.ctx.device
-        before = torch.cuda.memory_allocated(device)
+        allocated = self._allocated
+        before = allocated()
         try:
             return call(*args, **kwargs)
         finally:
-            self._activation_probe(self, torch.cuda.memory_allocated(device) - before)
+            self._activation_probe(self, allocated() - before)
 
     # Saved-tensor hooks for blocks that are not checkpointed under ZeRO-3: a saved view of the
     # gathered parameters is remembered with its group, and the group is gathered again into the
@@ -265,6 +305,16 @@ class BlockRunner:
         the block with autograd in that forward still needs it for its backward."""
         self.group.unpin()
         self._maybe_release()
+
+
+def _rng_state(device: torch.device) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_state(device: torch.device, state: Tuple[torch.Tensor, Optional[torch.Tensor]]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
 
 
 class _SavedParameterView:

@@ -36,11 +36,13 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping,
 import torch
 from torch import nn
 from torch.autograd import Variable
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .dist import DistContext, current
 from .group import FlatBuffer, ParamGroup, ParamRegistry, PendingReduction
+from .memory import out_of_memory_advice
 from .on_demand import OnDemandGathers
+from .watchdog import CollectiveError
 
 __all__ = ["Engine", "ExecutionOrder", "Linked", "Participant", "Schedule", "TrainingState", "WrapRecord", "engine",
            "in_backward"]
@@ -208,9 +210,15 @@ class Engine:
         # Offloaded buffers whose gradients this backward copies to the host (see [Note: offloaded shards]).
         self._host_grads: Dict[int, FlatBuffer] = {}
         self._step_hook: Optional[Any] = None  # the handle of install_step_check's hook
+        self.optimizer_steps = 0  # optimizer steps taken in this process, once a step listener asked to count them
+        self._step_counter: Optional[Any] = None
         # GPU memory for the automatic choices (see [Note: who gets the GPU memory left]).
         self._gpu_claims: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
         self.kept_activation_bytes = 0
+        self.max_gpu_memory: Optional[int] = None  # the budget wrap(max_gpu_memory=...) set, in bytes
+        self.passes_done = 0  # backward passes finished: the step running is number passes_done + 1
+        # Told when a forward with autograd starts (outermost root) and when a backward ends (weak).
+        self._step_listeners: List[Tuple[Any, ...]] = []  # (root, forward_starts, backward_ends), all weak
 
     def claim_gpu_memory(self, owner: Any, nbytes: int) -> None:
         """``owner`` (an optimizer with ``offload_fraction="auto"``) would use up to ``nbytes`` of the GPU
@@ -237,6 +245,53 @@ class Engine:
     def gpu_claims(self) -> int:
         """The bytes claimed with :meth:`claim_gpu_memory` by live owners."""
         return sum(self._gpu_claims.values())
+
+    def listen_for_steps(self, root: Participant, forward_starts: Callable[[], None],
+                         backward_ends: Callable[[], None]) -> None:
+        """Call the bound methods ``forward_starts()`` when a forward with autograd of ``root``'s model starts (as
+        the outermost root, before it gathers anything) and ``backward_ends()`` when a backward pass through it has
+        finished. Held weakly, as is ``root``."""
+        self._step_listeners.append((weakref.ref(root), weakref.WeakMethod(forward_starts),
+                                     weakref.WeakMethod(backward_ends)))
+        if self._step_counter is None:  # counts the steps of every torch optimizer (bmtwrap's too): optimizer_steps
+            self._step_counter = register_optimizer_step_post_hook(self._count_optimizer_step)
+
+    def _count_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.optimizer_steps += 1
+
+    def _tell(self, which: int, roots: List[Participant]) -> None:
+        for listener in list(self._step_listeners):
+            root, method = listener[0](), listener[which]()
+            if root is None or method is None:
+                self._step_listeners.remove(listener)
+            elif any(r is root for r in roots):
+                method()
+
+    def step_failed(self, error: BaseException, where: str) -> None:
+        """``error`` escapes the engine's part of a step at ``where`` (``"block 'layers.3'"``): add a note naming
+        this rank, the step and, for running out of memory, the memory and what to change; tell the watchdog,
+        so that the other ranks stop instead of waiting for this one (see [Note: a failed step])."""
+        if (getattr(error, "_bmtwrap_step", None) is not None or not isinstance(error, Exception)
+                or isinstance(error, CollectiveError)):  # that one names the operation and the ranks already
+            return
+        step = self.passes_done + 1
+        try:
+            error._bmtwrap_step = step  # type: ignore[attr-defined]
+        except AttributeError:  # an exception type without a __dict__
+            return
+        what = f"{type(error).__name__} in {where}"
+        note = f"bmtwrap: raised on rank {self.ctx.rank} of {self.ctx.world_size} in step {step}, in {where}."
+        if isinstance(error, torch.OutOfMemoryError):
+            runners = [r for r in self._block_runners.values() if not r.group.dissolved]
+            advice = out_of_memory_advice(self.ctx.device, all(getattr(r, "recompute", True) for r in runners))
+            what += ". " + advice
+            note += " " + advice
+        if hasattr(error, "add_note"):
+            error.add_note(note)
+        elif error.args and isinstance(error.args[0], str):  # Python 3.10
+            error.args = (f"{error.args[0]}\n{note}",) + error.args[1:]
+        if self.ctx.watchdog is not None:
+            self.ctx.watchdog.step_failed(step, what)
 
     def install_step_check(self, check: Callable[[torch.optim.Optimizer, Any, Any], None]) -> None:
         """Run ``check`` before every optimizer step of this process (registered once, however often asked)."""
@@ -279,6 +334,8 @@ class Engine:
         begins a new execution order (a root entered inside it belongs to a model it calls)."""
         assert self.may_enter_root(root), f"rank {self.ctx.rank}: a root entered where it may not"
         outermost = not self._active_roots
+        if outermost and torch.is_grad_enabled():
+            self._tell(1, [root])
         if outermost:
             self.schedule.order.restart(root)
             self._on_demand = OnDemandGathers(self.registry, lambda buffer: buffer.group, self._lend)
@@ -457,6 +514,8 @@ class Engine:
         for participant in participants:
             participant.backward_done()
         self.schedule.order.step_seen()
+        self.passes_done += 1
+        self._tell(2, participants)
 
     def _wait_host_grads(self) -> None:
         """Gradients of offloaded buffers are read on the host after backward: wait for their copies."""

@@ -120,6 +120,9 @@ class RankRecord(NamedTuple):
     recent: List[Tuple[int, str]]  # the last RECENT of them, (number, described), oldest first
     waiting: str  # the collective it is blocked waiting in ("#12, all-gather of 'layers.3'"), or ""
     exited: bool  # it stopped its watchdog: a normal exit, an exception, destroy_process_group()
+    # A step failed on it (see [Note: a failed step]) and it has issued no collective since: what failed, else "".
+    failed: str = ""
+    failed_step: int = 0
 
     def encode(self) -> str:
         return json.dumps(self._asdict())
@@ -268,6 +271,9 @@ class Watchdog:
         self._waiting: Optional[Tuple[int, Operation]] = None
         self._completion: Optional[CompletionWatch] = CompletionWatch() if watch_completion else None
         self._reported = -1  # the collective the stall report was written for
+        self._failed: Optional[Tuple[int, str]] = None  # (step, what) of a step that failed here, until a collective
+        self._last_wait = 0  # the collective waited for at the last beat (the heartbeat thread's own)
+        self._suspects: Dict[int, int] = {}  # peer -> its collective count when it was first seen failed or exited
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._pid = os.getpid()
@@ -275,6 +281,8 @@ class Watchdog:
     # --- the engine's side: one call per collective ------------------------------------------
     def begin(self, op: Operation) -> int:
         """Count a collective being issued; returns its number (1, 2, … on every rank alike)."""
+        if self._failed is not None:  # this rank goes on after a failed step: the others need not stop
+            self._failed = None
         self.issued += 1
         self._recent.append((self.issued, op))
         return self.issued
@@ -306,6 +314,10 @@ class Watchdog:
         if self._completion is not None and self._thread is not None:
             self._completion.waited(seq, op)
 
+    def step_failed(self, step: int, what: str) -> None:
+        """An exception escapes the engine's part of ``step`` on this rank (see [Note: a failed step])."""
+        self._failed = (step, what)
+
     # --- the thread ---------------------------------------------------------------------------
     def start(self) -> None:
         """Start the heartbeat thread (a daemon) and stop it at process exit."""
@@ -316,6 +328,7 @@ class Watchdog:
         self._thread = threading.Thread(target=self._beat_loop, args=(beats,),
                                         name=f"bmtwrap-watchdog-{self.rank}", daemon=True)
         self._thread.start()
+        _end_promptly_after_uncaught_exception()  # registered first, so that it runs after stop()
         atexit.register(self.stop)
 
     def stop(self) -> None:
@@ -334,8 +347,9 @@ class Watchdog:
     def _record(self, beat: int, exited: bool = False) -> RankRecord:
         waiting = self._waiting
         recent = [(seq, describe(op)) for seq, op in list(self._recent)]  # list(): one step, under the GIL
+        failed = self._failed
         return RankRecord(beat, self.issued, recent, "" if waiting is None else f"#{waiting[0]}, {describe(waiting[1])}",
-                          exited)
+                          exited, "" if failed is None else failed[1], 0 if failed is None else failed[0])
 
     def _beat_loop(self, store: dist.Store) -> None:
         key = f"{_KEY}{self.rank}"
@@ -348,7 +362,8 @@ class Watchdog:
                 # The store's host is gone (a TCPStore connection does not come back): stop beating, rather
                 # than have c10d log a failed send each second. Failures then say the store is unreachable.
                 return
-            self._check_completion()
+            probe = self._check_completion()
+            self._check_peers(store, probe)
             if self._stop.wait(self.interval):
                 break
         try:
@@ -356,12 +371,13 @@ class Watchdog:
         except (RuntimeError, OSError):
             pass
 
-    def _check_completion(self) -> None:
+    def _check_completion(self) -> Optional[_Probe]:
         """NCCL: report (once) collectives incomplete for longer than the timeout minus a margin; end the process
-        once they are ``EXIT_GRACE_S`` past the timeout (ProcessGroupNCCL has given up on them by then)."""
+        once they are ``EXIT_GRACE_S`` past the timeout (ProcessGroupNCCL has given up on them by then). Returns
+        the probe still incomplete, if one is."""
         probe = None if self._completion is None else self._completion.check()
         if probe is None:
-            return
+            return None
         waited = time.monotonic() - probe.since
         timeout = self.timeout.total_seconds()
         margin = min(timeout / 2, STALE_BEATS * self.interval + 10)  # time to diagnose before NCCL aborts
@@ -376,6 +392,48 @@ class Watchdog:
                   f"({describe(probe.op)}) is still incomplete {waited - timeout:.0f} s past the timeout",
                   file=sys.stderr, flush=True)
             self._end_process(1)
+        return probe
+
+    def _check_peers(self, store: dist.Store, probe: Optional[_Probe]) -> None:
+        """End this process if it waits for a collective that a rank which failed or exited will never issue.
+
+        [Note: a failed step]
+        When an exception escapes the engine's part of a step on one rank (``Engine.step_failed``:
+        out of memory in a block, an error in the model's code), the other ranks go on to collectives
+        that rank never issues, and would wait for them until the timeout (ten minutes by default),
+        or for ever where a collective hangs on the GPU. So each rank's record says that its step
+        failed, and with what, until it issues another collective (a program that catches the error
+        and goes on clears it). A rank whose wait has lasted a beat reads the others' records; one
+        that has failed (in a step this rank did not fail in too) or exited, and has issued fewer
+        collectives than the one waited for, will never arrive: seen so on two beats in a row, this
+        rank prints what that rank said and ends with status 1, within about three seconds. A rank
+        dying of an uncaught exception ends promptly too (:func:`_end_promptly_after_uncaught_exception`).
+        """
+        waiting = self._waiting
+        seq = waiting[0] if waiting is not None else probe.seq if probe is not None else 0
+        waited_before, self._last_wait = self._last_wait, seq
+        if seq == 0 or seq != waited_before:  # not waiting, or not for a whole beat yet
+            self._suspects.clear()
+            return
+        try:
+            records = {r: RankRecord.decode(raw) for r, raw in zip(self._others(), store.multi_get(
+                [f"{_KEY}{r}" for r in self._others()]))}
+        except (RuntimeError, OSError, ValueError):
+            return
+        mine = self._failed
+        gone = {r: rec for r, rec in records.items() if rec.issued < seq and (
+            rec.exited or (rec.failed and not (mine is not None and mine[0] == rec.failed_step)))}
+        confirmed = [r for r, rec in gone.items() if self._suspects.get(r) == rec.issued]
+        self._suspects = {r: rec.issued for r, rec in gone.items()}
+        if not confirmed:
+            return
+        rank = confirmed[0]
+        rec = gone[rank]
+        why = (f"rank {rank} failed in step {rec.failed_step}: {rec.failed}" if rec.failed else
+               f"rank {rank} has exited")
+        print(f"[bmtwrap watchdog, rank {self.rank}] ending the process: {why}; it issued {rec.issued} collectives "
+              f"and will not issue #{seq}, which this rank waits for", file=sys.stderr, flush=True)
+        self._end_process(1)
 
     def _report_stall(self, seq: int, op: Operation, waited: float, first: int) -> None:
         error = self.failure(seq, op, None, waited=waited, first=first)
@@ -460,6 +518,43 @@ class Watchdog:
         return {r: RankRecord.decode(raw) for r, raw in zip(ranks, raws) if raw is not None}
 
 
+_UNCAUGHT: List[bool] = []  # set once by the hook below: the process is dying of an uncaught exception
+
+
+def _end_promptly_after_uncaught_exception() -> None:
+    """Make a process that dies of an uncaught exception end at once, after its atexit handlers registered since.
+
+    Its interpreter would otherwise tear down the process group with collectives still in flight,
+    which waits for peers that never come (NCCL kernels spin until the timeout). The exception has
+    been printed by then, and the watchdog has marked this rank exited; the status is 1, as Python's.
+    Installed once, by the first watchdog started.
+    """
+    if getattr(sys.excepthook, "_bmtwrap", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind: Any, value: Any, traceback: Any) -> None:
+        _UNCAUGHT.append(True)
+        previous(kind, value, traceback)
+
+    hook._bmtwrap = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+    def end() -> None:
+        if not _UNCAUGHT:
+            return
+        import logging
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(1)
+
+    atexit.register(end)
+
+
 def _moved(before: Optional[RankRecord], after: Optional[RankRecord]) -> bool:
     return after is not None and (before is None or after.beat != before.beat)
 
@@ -482,12 +577,18 @@ def _judge(rank: int, first: Optional[RankRecord], latest: Optional[RankRecord],
         where = ""
     history = f"after {latest.last}" if latest.issued else "before its first collective"
     parted_too = f", and it {where}" if parted else ""
+    failed = f"rank {rank} failed in step {latest.failed_step}: {latest.failed}; " if latest.failed else ""
     if latest.exited:
         if not where:
             return _Verdict(rank, f"rank {rank} has exited since, after reaching this collective", False)
+        if failed:
+            return _Verdict(rank, f"{failed}it has exited since, {history}, and {where}", True, parted is not None)
         return _Verdict(rank, f"rank {rank} has exited (an exception, a normal end, or destroy_process_group()) "
                         f"{history}, and {where}", True, parted is not None)
     if not _moved(first, latest):
         return _Verdict(rank, f"rank {rank} is dead: no heartbeat for {window:g} s (killed, crashed, or its host is "
                         f"gone; its last heartbeat came {history}){parted_too}", True, parted is not None)
-    return _Verdict(rank, f"rank {rank} is alive but {where}", True, parted is not None) if where else None
+    if not where:
+        return None
+    return _Verdict(rank, f"{failed}it is alive but {where}" if failed else f"rank {rank} is alive but {where}", True,
+                    parted is not None)

@@ -153,7 +153,7 @@ def build_model(args: argparse.Namespace, tokenizer: Any, dtype: torch.dtype) ->
     import transformers
 
     wrap_options = dict(checkpoint={"true": True, "false": False, "auto": "auto"}[args.recompute],
-                        offload_params=args.offload_params)
+                        offload_params=args.offload_params, max_gpu_memory=args.max_gpu_memory)
     if args.lora:
         return build_lora_model(args, tokenizer, dtype, wrap_options)
     if args.model is not None:

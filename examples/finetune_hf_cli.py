@@ -91,6 +91,9 @@ def parse_args(argv: Optional[List[str]] = None, description: str = "") -> argpa
     engine.add_argument("--offload-params", action="store_true", help="keep parameter shards in CPU memory too")
     engine.add_argument("--recompute", default="true", choices=["true", "false", "auto"],
                         help="activation checkpointing of the decoder layers (wrap(checkpoint=...))")
+    engine.add_argument("--max-gpu-memory", metavar="SIZE", default=None,
+                        help="the most GPU memory each process should take, e.g. 24GiB (wrap(max_gpu_memory=...)): "
+                             "--recompute auto and --optimizer offload plan for it instead of the whole card")
     engine.add_argument("--lora", action="store_true", help="train LoRA adapters (peft) instead of every weight")
     engine.add_argument("--lora-rank", type=int, default=16)
     engine.add_argument("--lora-targets", default=None,
@@ -139,6 +142,13 @@ def check_numbers(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         p.error(f"--warmup must be in [0, --steps={args.steps}], got {args.warmup}")
     if args.stop_at is not None and not 0 < args.stop_at <= args.steps:
         p.error(f"--stop-at must be in [1, --steps={args.steps}], got {args.stop_at}")
+    if args.max_gpu_memory is not None:
+        from bmtwrap.memory import parse_bytes
+
+        try:
+            parse_bytes(args.max_gpu_memory, name="--max-gpu-memory")
+        except ValueError as error:
+            p.error(str(error))
     if args.lora_targets is not None and not (args.lora and lora_targets(args)):
         p.error(f"--lora-targets names the layers --lora adapts: give it with --lora and at least one name, "
                 f"got {args.lora_targets!r}{'' if args.lora else ' without --lora'}")

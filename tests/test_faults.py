@@ -1,6 +1,6 @@
-"""Faults: a rank killed, a rank hung, ranks running different blocks, and the errors that name them.
+"""Faults: a rank killed, a rank hung, ranks running different blocks, a rank out of memory, and the errors that name them.
 
-The multi-process tests launch 3 ranks of tests/dist_cases/faults.py as plain processes, each with
+The multi-process tests launch 3 ranks (2 for one of the out-of-memory jobs) of tests/dist_cases/faults.py as plain processes, each with
 RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT/LOCAL_RANK, around a TCPStore that this process hosts, as
 torchrun's agent does (``TORCHELASTIC_USE_AGENT_STORE=True``). Not under torchrun itself: its agent
 would kill the survivors of a failed worker before they could fail on their own, which is what is
@@ -34,7 +34,7 @@ SCRIPT = TESTS / "dist_cases" / "faults.py"
 WORLD, VICTIM = 3, 1
 # The collectives' timeout of each job: short for the hang (the test waits it out), a little longer for
 # the others (they must fail long before it; a loaded CI machine may start its ranks seconds apart).
-TIMEOUT_S = {"hang": 10.0, "kill": 15.0, "reorder": 15.0}
+TIMEOUT_S = {"hang": 10.0, "kill": 15.0, "reorder": 15.0, "oom": 60.0, "oom-backward": 60.0}
 SLACK_S = 6.0  # allowed past the deadline for the error: 3 s to tell a dead rank from a live one, and slack
 EXIT_S = 20.0  # for the process to end after the error (a loaded machine takes its time tearing torch down)
 OPERATION = r"(all-gather|reduce-scatter|all-reduce) of '[^']+' \(collective #(\d+)\)"
@@ -49,7 +49,7 @@ class Rank:
     record: Optional[RankRecord]  # its last heartbeat record in the store
 
     def fault_time(self) -> float:
-        return self._time_of("FAULT \\w+", "the victim did not reach its fault")
+        return self._time_of("FAULT [\\w-]+", "the victim did not reach its fault")
 
     def raised_time(self) -> float:
         return self._time_of("RAISED", "no CollectiveError reached the top")
@@ -63,20 +63,21 @@ class Rank:
 class Job:
     """The 3 ranks of faults.py in one mode, started at once; :meth:`finish` waits for the survivors."""
 
-    def __init__(self, tmp_path: Path, mode: str, *, check: bool = False) -> None:
+    def __init__(self, tmp_path: Path, mode: str, *, check: bool = False, world: int = WORLD) -> None:
+        self.world = world
         self.store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60),
                                    wait_for_workers=False)
-        env = dict(os.environ, WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.store.port),
+        env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.store.port),
                    TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         args = [sys.executable, str(SCRIPT), mode, str(VICTIM), str(TIMEOUT_S[mode]), *(["check"] if check else [])]
         self.logs = [tuple(open(tmp_path / f"{mode}.rank{r}.{kind}", "w+") for kind in ("out", "err"))
-                     for r in range(WORLD)]
+                     for r in range(world)]
         self.procs = [subprocess.Popen(args, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=out, stderr=err)
                       for r, (out, err) in enumerate(self.logs)]
         self.ended: Dict[int, float] = {}
         self._ranks: Optional[List[Rank]] = None
-        self._waiters = [threading.Thread(target=self._wait, args=(r,), daemon=True) for r in range(WORLD)]
+        self._waiters = [threading.Thread(target=self._wait, args=(r,), daemon=True) for r in range(world)]
         for waiter in self._waiters:
             waiter.start()
 
@@ -114,7 +115,8 @@ class Job:
 def jobs(tmp_path_factory) -> Dict[str, Job]:
     """The three faulty jobs, run side by side: their start-up (importing torch) is most of their time."""
     tmp = tmp_path_factory.mktemp("faults")
-    started = {"kill": Job(tmp, "kill"), "hang": Job(tmp, "hang"), "reorder": Job(tmp, "reorder", check=True)}
+    started = {"kill": Job(tmp, "kill"), "hang": Job(tmp, "hang"), "reorder": Job(tmp, "reorder", check=True),
+               "oom": Job(tmp, "oom"), "oom-backward": Job(tmp, "oom-backward", world=2)}
     yield started
     for job in started.values():
         job.finish(wait_s=0)  # kills what a failed test left running
@@ -175,6 +177,32 @@ def test_check_collectives_names_both_blocks_and_their_ranks(jobs):
         assert found and found.group(2) != found.group(3), line
         # Every rank's own check fails at once: no waiting for the timeout.
         assert rank.raised_time() - ranks[VICTIM].fault_time() < TIMEOUT_S["reorder"], line
+
+
+@pytest.mark.parametrize("mode, where", [("oom", "the forward of block 'layers.2'"),
+                                         ("oom-backward", "the recomputation of block 'layers.2' in backward")])
+def test_out_of_memory_on_one_rank_stops_every_rank_at_once(jobs, mode, where):
+    """Nothing hangs: the rank out of memory raises with a note naming it, the step and what to change; the others
+    end within seconds (the collectives' timeout is 60 s), naming that rank; no rank finishes the step."""
+    job = jobs[mode]
+    ranks = job.finish(victim_too=True)
+    failed_at = ranks[VICTIM].fault_time()
+    victim = ranks[VICTIM]
+    assert victim.returncode == 1, victim.stderr[-3000:]
+    note = f"bmtwrap: raised on rank {VICTIM} of {job.world} in step 3, in {where}."
+    assert "torch.OutOfMemoryError: CUDA out of memory" in victim.stderr and note in victim.stderr, victim.stderr[-3000:]
+    assert victim.ended - failed_at < EXIT_S, "the rank out of memory did not end promptly"
+    for r, rank in enumerate(ranks):
+        assert f"rank {r} step 3 " not in rank.stdout, f"rank {r} finished the step that failed:\n{rank.stdout}"
+        if r == VICTIM:
+            continue
+        assert rank.returncode == 1, rank.stderr[-3000:]
+        assert rank.ended - failed_at < 3 * SLACK_S, f"rank {r} took {rank.ended - failed_at:.1f} s to stop"
+        # The watchdog ends a rank waiting on the GPU; on gloo, the victim's exit fails the collective at once.
+        said = re.escape(f"rank {VICTIM} failed in step 3: OutOfMemoryError in {where}. The host ran out of memory")
+        assert (re.search(rf"\[bmtwrap watchdog, rank {r}\] ending the process: {said}", rank.stderr)
+                or re.search(rf"CollectiveError: {OPERATION} failed on rank {r}: {said}[^;]*; it has exited since",
+                             rank.stderr)), rank.stderr[-3000:]
 
 
 # --- the diagnosis, against records written by hand -----------------------------------------------------
@@ -258,6 +286,32 @@ def test_failure_tells_exited_ranks_and_ranks_that_never_beat():
     assert ("rank 1 has exited (an exception, a normal end, or destroy_process_group()) after #2, all-gather of "
             "'layers.1', and has not reached collective #3") in str(error)
     assert error.ranks == (1,)
+
+
+def test_a_rank_waiting_for_a_failed_rank_ends_after_two_beats(monkeypatch, capsys):
+    """[Note: a failed step]: a rank waiting (here in #5) for a rank whose step failed before it issued #5 ends on the
+    second beat that sees it so; not when the peer went on, nor when this rank failed in the same step."""
+    ended = []
+    monkeypatch.setattr(Watchdog, "_end_process", staticmethod(ended.append))
+    failed = RankRecord(1, 4, [(4, "all-gather of 'layers.1'")], "", False, "OutOfMemoryError in the forward of "
+                        "block 'layers.1'. GPU memory: ...", 3)
+    for peer, mine, ends in ((failed, None, True), (failed._replace(issued=5), None, False),
+                             (failed, (3, "ValueError in the forward of block 'layers.2'"), False),
+                             (failed._replace(failed="", failed_step=0, exited=True), None, True)):
+        store = dist.HashStore()
+        store.set("bmtwrap/heartbeat/1", peer.encode())
+        dog = watchdog(store, world=2)
+        dog._failed = mine
+        dog._waiting = (5, ("all-gather", "layers.2"))
+        for _ in range(3):  # the wait is a beat old at the second; the peer is seen so twice by the third
+            dog._check_peers(store, None)
+        assert ended == ([1] if ends else []), (peer, mine)
+        ended.clear()
+    err = capsys.readouterr().err
+    assert ("[bmtwrap watchdog, rank 0] ending the process: rank 1 failed in step 3: OutOfMemoryError in the forward "
+            "of block 'layers.1'. GPU memory: ...; it issued 4 collectives and will not issue #5, which this rank "
+            "waits for") in err
+    assert "ending the process: rank 1 has exited; it issued 4 collectives" in err
 
 
 def test_failure_without_a_store_still_names_the_operation():

@@ -136,3 +136,51 @@ def test_hugging_face_import_on_one_gpu(tmp_path):
     failures = [f"{name}: {r}" for name, r in results.items()
                 if "error" in r or r["buffers_unequal"] or r.get("params_unequal") or r.get("loss_rel", 0.0) != 0.0]
     assert len(results) == 32 and not failures, "\n".join(failures)
+
+
+def _llama_steps(checkpoint, max_gpu_memory=None, steps=6):
+    """A 0.5B Llama in bf16 trained ``steps`` steps on this GPU; the most memory a step took (the allocator's
+    reserve and the memory outside it, from step 2 on) and the blocks checkpoint="auto" kept."""
+    import gc
+
+    import transformers
+
+    import bmtwrap as bmt
+    from bmtwrap.memory import CudaGauge
+    from bmtwrap.wrap.convert import wrapped_record
+
+    config = transformers.LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+                                      num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
+                                      attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model = bmt.materialize(bmt.wrap(model, checkpoint=checkpoint, max_gpu_memory=max_gpu_memory))
+    optimizer = bmt.optim.AdamOptimizer(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, 32000, (4, 1024), device="cuda")
+    gauge, used = CudaGauge(torch.device("cuda")), []
+    for _ in range(steps):
+        torch.cuda.reset_peak_memory_stats()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch.cuda.synchronize()
+        used.append(gauge.reserved_peak() + gauge.outside_allocator())
+    record = wrapped_record(model)
+    kept = sum(not runner.recompute for _, runner in record.runners)
+    del model, optimizer, record
+    gc.collect()
+    torch.cuda.empty_cache()
+    return max(used[1:]), kept
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU")
+def test_auto_checkpoint_keeps_what_a_budget_allows_on_one_gpu():
+    """checkpoint="auto" under max_gpu_memory: some blocks kept, not all, and no step above the budget; with the
+    whole card every block of this small model is kept."""
+    checkpointed, _ = _llama_steps(True)
+    budget = int((checkpointed + 3 * 2**30) / 0.96)  # past the 4 % margin, room for a few blocks' activations
+    used, kept = _llama_steps("auto", max_gpu_memory=budget)
+    assert 0 < kept < 8 and used <= budget, (kept, used / 2**30, budget / 2**30)
+    _, kept = _llama_steps("auto")
+    assert kept == 8

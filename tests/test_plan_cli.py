@@ -102,3 +102,30 @@ def test_model_class_of_another_model(folders):
     with pytest.raises(SystemExit, match=r"--model-class BertForMaskedLM builds from a BertConfig, but the config is a "
                                          r"LlamaConfig; the classes for it include .*LlamaForCausalLM"):
         main(["plan", str(folders["llama"]), "--model-class", "BertForMaskedLM"])
+
+
+def test_a_gpu_budget_plans_the_blocks_that_fit(folders, capsys):
+    """With --max-gpu-memory, --checkpoint auto keeps blocks first to last while the estimate fits, and says so."""
+    import bmtwrap as bmt
+
+    import torch
+    with torch.device("meta"):
+        model = MODELS["llama"]()
+    fixed = bmt.plan(model, batch_size=2, seq_len=16)
+    assert fixed.fits is None and all(b.checkpoint for b in fixed.blocks)
+    roomy = bmt.plan(model, batch_size=2, seq_len=16, max_gpu_memory="1GiB")
+    assert roomy.fits and [b.checkpoint for b in roomy.blocks] == [False, False]
+    assert roomy.memory.total > fixed.memory.total  # kept activations cost more than the checkpointed inputs
+    margin = 512 * 2**20  # at least this, under any budget
+    tight = bmt.plan(model, batch_size=2, seq_len=16, max_gpu_memory=fixed.memory.total + margin)
+    assert [b.checkpoint for b in tight.blocks] == [True, True] and tight.fits  # no room beyond the margin
+    one = roomy.memory.total - fixed.memory.total  # two blocks' activations, less their checkpointed inputs
+    between = bmt.plan(model, batch_size=2, seq_len=16, max_gpu_memory=fixed.memory.total + margin + one // 2)
+    assert [b.checkpoint for b in between.blocks] == [False, True]
+    assert not bmt.plan(model, batch_size=2, seq_len=16, max_gpu_memory=margin + 100).fits
+
+    main(["plan", str(folders["llama"]), "--batch-size", "2", "--seq-len", "16", "--max-gpu-memory", "1GiB"])
+    out = capsys.readouterr().out
+    assert "max_gpu_memory 1.00 GiB, less a margin: 0.50 GiB; fits" in out
+    with pytest.raises(SystemExit, match="--max-gpu-memory must be a size such as '24GiB'"):
+        main(["plan", str(folders["llama"]), "--max-gpu-memory", "lots"])

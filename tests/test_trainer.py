@@ -331,6 +331,14 @@ def test_wrap_options_must_be_a_dict(tmp_path):
 
 
 
+def test_a_gpu_budget_reaches_wrap(tmp_path):
+    from bmtwrap.hf import Trainer
+    from bmtwrap.wrap.convert import wrapped_record
+
+    trainer = Trainer(model=_tiny_model(), args=_args(tmp_path), wrap_options={"max_gpu_memory": "24GiB"})
+    assert wrapped_record(trainer.model).options.max_gpu_memory == 24 * 2**30
+
+
 def test_wrap_options_are_wraps_arguments(tmp_path):
     from bmtwrap.hf import Trainer
 

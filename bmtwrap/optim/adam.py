@@ -472,6 +472,8 @@ class AdamOffloadOptimizer(_AdamBase):
             return
         device = cuda[0].device
         total = torch.cuda.get_device_properties(device).total_memory
+        if is_initialized() and engine().max_gpu_memory is not None:
+            total = min(total, engine().max_gpu_memory)  # wrap(max_gpu_memory=...)
         peak = torch.cuda.max_memory_allocated(device)
         headroom = AUTO_HEADROOM + (0.0 if self._expandable else FIXED_SEGMENTS_HEADROOM)
         budget = total * (1.0 - headroom) - peak

@@ -23,9 +23,10 @@
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -34,11 +35,13 @@ from torch.utils.hooks import RemovableHandle
 from .. import dist as _dist
 from ..full_state import register_full_state_dict, shard_full_tensors
 from ..group import ROOT_LABEL
-from ..offload import OffloadPolicy
+from ..memory import parse_bytes
+from ..offload import OffloadPolicy, expandable_segments
 from ..runners import BlockModule, BlockRunner, RootRunner
 from ..shard import build_group, unshard_group
 from ..schedule import engine
 from .adapters import ModelAdapter, adapter_for
+from .auto import AutoRecompute, auto_recompute
 from .detect import LayerPolicy
 from .plan import Checkpoint, OffloadOptions, WrapPlan, make_plan
 
@@ -53,7 +56,7 @@ class WrapOptions:
     checkpoint: Checkpoint
     zero_level: int
     reduce_dtype: Optional[torch.dtype]
-    memory_budget: Optional[int]
+    max_gpu_memory: Optional[int]
     offload_params: bool
 
 
@@ -91,6 +94,7 @@ class Wrapped:
     stale_buffers: List[StaleBuffer]
     handles: List[RemovableHandle]  # every hook wrap registered, for dissolve()
     restore_forwards: List[Callable[[], None]]  # each block's forward as it was before wrap
+    auto: Optional[AutoRecompute] = None  # checkpoint="auto"'s decision (its report says what it chose)
 
     def dissolve(self) -> None:
         """Undo the wrapping (a collective): every parameter holds its full value again, on this
@@ -105,19 +109,17 @@ class Wrapped:
         unshard_group(registry, self.root.group)
 
 
-def _check_options(checkpoint: Checkpoint, zero_level: Optional[int], memory_budget: Optional[int]) -> None:
+def _check_options(checkpoint: Checkpoint, zero_level: Optional[int]) -> None:
     if checkpoint not in (True, False, "auto"):
         raise ValueError(f"checkpoint must be True, False or 'auto', got {checkpoint!r}")
     if zero_level not in (None, 2, 3):
         raise ValueError(f"zero_level must be 2 or 3, got {zero_level!r}")
-    if memory_budget is not None and memory_budget <= 0:
-        raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
 
 
 def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional[LayerPolicy] = None,
          checkpoint: Checkpoint = "auto", batch_size: Optional[int] = None, seq_len: Optional[int] = None,
          offload_optimizer: bool = False, offload_fraction: float = 1.0, offload_params: bool = False,
-         ranks_per_host: Optional[int] = None) -> WrapPlan:
+         ranks_per_host: Optional[int] = None, max_gpu_memory: Union[int, str, None] = None) -> WrapPlan:
     """What :func:`wrap` would do to ``model``, without doing it (no collectives, no allocation).
 
     The memory estimate is per rank, on the GPU and on the host; its parameter, gradient and
@@ -130,7 +132,9 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
             :func:`bmtwrap.init_distributed`.
         layers: as for :func:`wrap`.
         checkpoint: as for :func:`wrap`; ``"auto"`` is planned as every block checkpointed,
-            since ``wrap`` decides only in the first training step.
+            since ``wrap`` decides only in the first training step, unless ``max_gpu_memory`` and
+            a batch shape are given: then as many blocks, first to last, keep their activations
+            as the estimate fits under the budget less ``checkpoint="auto"``'s margin.
         batch_size: the batch size each rank runs, for the activation estimate (with ``seq_len``).
         seq_len: the sequence length, for the activation estimate (with ``batch_size``).
         offload_optimizer: plan for :class:`~bmtwrap.optim.AdamOffloadOptimizer` (optimizer state
@@ -139,6 +143,7 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
         offload_params: as for :func:`wrap`.
         ranks_per_host: ranks sharing one host, for the per-host memory; default:
             ``min(world_size, 8)``.
+        max_gpu_memory: a GPU budget per rank, as for :func:`wrap`; the plan says whether it fits.
 
     Returns:
         A :class:`~bmtwrap.wrap.plan.WrapPlan`; ``print(plan)`` shows it as a table.
@@ -156,7 +161,7 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"plan expects an nn.Module, got {type(model).__name__}")
-    _check_options(checkpoint, None, None)
+    _check_options(checkpoint, None)
     if world_size is None:
         world_size = _dist.current().world_size if _dist.is_initialized() else 1
     if world_size < 1:
@@ -166,52 +171,9 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
     if ranks_per_host is not None and ranks_per_host < 1:
         raise ValueError(f"ranks_per_host must be >= 1, got {ranks_per_host!r}")
     offload = OffloadOptions(optimizer=offload_optimizer, fraction=offload_fraction, params=offload_params)
+    budget = None if max_gpu_memory is None else parse_bytes(max_gpu_memory)
     return make_plan(model, world_size, layers=layers, checkpoint=checkpoint, batch_size=batch_size,
-                     seq_len=seq_len, offload=offload, ranks_per_host=ranks_per_host)[0]
-
-
-class AutoRecompute:
-    """``checkpoint="auto"``: keep as many blocks un-checkpointed as the memory budget allows.
-
-    The first training step runs every block checkpointed; while backward recomputes each block,
-    the bytes its recomputation keeps alive are measured. Once every block has reported, blocks
-    stop checkpointing, first to last, while their activations fit between that step's peak and
-    the budget, less what an offload optimizer claimed for its state ([Note: who gets the GPU
-    memory left] in ``schedule.py``). On the CPU nothing is measured and every block stays
-    checkpointed.
-    """
-
-    def __init__(self, runners: List[BlockRunner], budget: Optional[int], device: torch.device) -> None:
-        self._runners = runners
-        self._sizes: Dict[int, int] = {}
-        self._device = device
-        self.decided = device.type != "cuda"
-        if not self.decided:
-            if budget is None:
-                budget = int(0.9 * torch.cuda.get_device_properties(device).total_memory)
-            self._budget = budget
-            for runner in runners:
-                runner.measure_activations(self.report)
-
-    def report(self, runner: BlockRunner, nbytes: int) -> None:
-        if self.decided:
-            return
-        self._sizes[id(runner)] = max(nbytes, self._sizes.get(id(runner), 0))
-        if len(self._sizes) < len(self._runners):
-            return
-        self.decided = True
-        # Optimizer state waiting for GPU memory comes first ([Note: who gets the GPU memory left]).
-        eng = engine()
-        headroom = self._budget - torch.cuda.max_memory_allocated(self._device) - eng.gpu_claims()
-        for runner in self._runners:
-            size = self._sizes[id(runner)]
-            if size > headroom:
-                break
-            runner.keep_activations()
-            headroom -= size
-            eng.kept_activation_bytes += size
-        for runner in self._runners:
-            runner.measure_activations(None)
+                     seq_len=seq_len, offload=offload, ranks_per_host=ranks_per_host, max_gpu_memory=budget)[0]
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -271,6 +233,9 @@ def _attach_root(model: nn.Module, root: RootRunner, entry_points: List[nn.Modul
 
         def leave(module: nn.Module, args: Any, output: Any, entered: List[bool] = entered) -> None:
             if entered.pop():
+                error = sys.exc_info()[1] if output is None else None  # called from torch's handler on a raise
+                if error is not None:
+                    engine().step_failed(error, f"the forward of {type(module).__name__}")
                 root.exit()
 
         handles.append(module.register_forward_pre_hook(enter))
@@ -313,7 +278,7 @@ def _already_wrapped(model: nn.Module, options: WrapOptions) -> Optional[nn.Modu
 
 def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: Checkpoint = "auto",
          zero_level: Optional[int] = None, reduce_dtype: Optional[torch.dtype] = None,
-         memory_budget: Optional[int] = None, offload_params: bool = False) -> nn.Module:
+         max_gpu_memory: Union[int, str, None] = None, offload_params: bool = False) -> nn.Module:
     """Shard ``model`` over all ranks, in place, and return it.
 
     The repeated layers (an ``nn.ModuleList``/``nn.Sequential`` of one class, or a class a Hugging
@@ -333,14 +298,19 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
             call :func:`materialize` or load weights before running it).
         layers: which modules become blocks: a list of classes or class names, or a callable
             ``(qualified_name, module) -> bool``; default: detected.
-        checkpoint: ``"auto"`` (default: keep the activations of as many blocks as ``memory_budget``
-            allows, measured in the first training step, which runs every block checkpointed; on the
-            CPU every block stays checkpointed), ``True`` (recompute every block in backward), or
+        checkpoint: ``"auto"`` (default: keep the activations of as many blocks as the GPU memory
+            the first training step leaves free allows, under ``max_gpu_memory``; that step runs
+            every block checkpointed, and the next few steps give memory back if they come near the
+            limit; see [Note: how checkpoint="auto" decides] in ``bmtwrap/wrap/auto.py``. On the CPU
+            every block stays checkpointed), ``True`` (recompute every block in backward), or
             ``False``.
         zero_level: 3 frees gathered parameters after each block's forward, 2 keeps them until
             backward; default: :func:`bmtwrap.init_distributed`'s.
         reduce_dtype: dtype gradients are averaged in; default: each parameter's own.
-        memory_budget: bytes per GPU that ``checkpoint="auto"`` may use; default: 90% of the GPU.
+        max_gpu_memory: the most GPU memory this process should take, as ``nvidia-smi`` counts it
+            (tensors, the allocator's cache, NCCL's buffers): ``"24GiB"``, ``"80GB"`` or bytes;
+            ``checkpoint="auto"`` and ``AdamOffloadOptimizer(offload_fraction="auto")`` plan for it
+            instead of the whole card. Default: the card.
         offload_params: keep the blocks' parameter shards, and their gradients, in pinned CPU
             memory; each gather copies the shard to the GPU first, so the GPU holds a block's
             parameters only while it is gathered. The root group (gathered for the whole step
@@ -367,12 +337,14 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"wrap expects an nn.Module, got {type(model).__name__}")
-    _check_options(checkpoint, zero_level, memory_budget)
+    _check_options(checkpoint, zero_level)
+    if max_gpu_memory is not None:
+        max_gpu_memory = parse_bytes(max_gpu_memory)
     if not isinstance(offload_params, bool):
         raise ValueError(f"offload_params must be True or False, got {offload_params!r}")
     ctx = _dist.current() if _dist.is_initialized() else _dist.init_distributed()
     eng = engine(ctx)
-    options = WrapOptions(layers, checkpoint, zero_level or ctx.zero_level, reduce_dtype, memory_budget,
+    options = WrapOptions(layers, checkpoint, zero_level or ctx.zero_level, reduce_dtype, max_gpu_memory,
                           offload_params)
     if _already_wrapped(model, options) is not None:
         return model
@@ -404,10 +376,18 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
     root = RootRunner(eng, root_group, replicated=[])
     handles += _attach_root(model, root, adapter.entry_points(model))
     stale = _move_buffers(model, ctx.device)
+    if max_gpu_memory is not None:
+        eng.max_gpu_memory = max_gpu_memory
+    auto = None
     if checkpoint == "auto":
-        AutoRecompute([r for _, r in runners], memory_budget, ctx.device)
+        if ctx.device.type == "cuda":
+            # Fixed-size segments strand GiBs as reserved but unusable memory on a full card, which the decision
+            # would have to leave free (see offload.expandable_segments); the user's allocator settings stand.
+            expandable_segments()
+        auto = auto_recompute(root, [r for _, r in runners], max_gpu_memory, ctx.device)
     eng.install_step_check(_check_optimizer)
-    record = Wrapped(weakref.ref(model), options, the_plan, runners, root, adapter, stale, handles, restore_forwards)
+    record = Wrapped(weakref.ref(model), options, the_plan, runners, root, adapter, stale, handles, restore_forwards,
+                     auto)
     eng.register_wrapped(model, record)
     return model
 

@@ -30,12 +30,14 @@ blocks' shards and their gradients in pinned memory of their exact size (``offlo
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, NamedTuple, Optional, Set, Tuple, Union
 
 import torch
 from torch import nn
 
+from ..memory import margin_bytes
 from ..offload import DEFAULT_CHUNK_NUMEL, DEFAULT_SLOTS, adam_state_bytes
 from ..param import build_layout
 from .detect import LayerPolicy, find_blocks
@@ -157,6 +159,15 @@ class WrapPlan:
     memory: MemoryEstimate
     offload: OffloadOptions = OffloadOptions()
     ranks_per_host: int = 1
+    max_gpu_memory: Optional[int] = None  # the budget planned for (checkpoint="auto" keeps what fits under it)
+
+    @property
+    def fits(self) -> Optional[bool]:
+        """Whether the estimate stays under ``max_gpu_memory`` less the margin ``checkpoint="auto"`` keeps free;
+        ``None`` without a budget or a batch shape."""
+        if self.max_gpu_memory is None or self.memory.activations is None:
+            return None
+        return self.memory.total <= _usable(self.max_gpu_memory)
 
     @property
     def block_names(self) -> List[str]:
@@ -184,6 +195,11 @@ class WrapPlan:
         act = gib(m.activations) if m.activations is not None else "   (give batch_size and seq_len)"
         lines.append(f"    gathered   {gib(m.gathered)}   activations {act}")
         lines.append(f"    total      {gib(m.total)}")
+        if self.fits is not None:
+            usable = _usable(self.max_gpu_memory)
+            lines.append(f"  max_gpu_memory {self.max_gpu_memory / 2**30:.2f} GiB, less a margin: {usable / 2**30:.2f} GiB; "
+                         + ("fits" if self.fits else f"over by {(m.total - usable) / 2**30:.2f} GiB: offload the optimizer "
+                            "(--offload), the block parameters (--offload-params), or a smaller batch"))
         detail = ", ".join(f"{name} {size / 2**30:.2f} GiB" for name, size in m.host_detail if size)
         lines.append(f"  host memory per rank: {gib(m.host)}" + (f"   ({detail})" if detail else ""))
         lines.append(f"  host memory per host ({self.ranks_per_host} rank(s)): {gib(m.host * self.ranks_per_host)}")
@@ -340,10 +356,27 @@ def _activations(model: nn.Module, blocks: List[GroupPlan], block_dtype: torch.d
     return saved + max(2 * layer, loss)
 
 
+def _usable(budget: int) -> int:
+    """What ``checkpoint="auto"`` plans with under ``budget`` (its margin taken from the budget, the card unknown)."""
+    return budget - margin_bytes(budget)
+
+
+def _keep_what_fits(model: nn.Module, blocks: List[GroupPlan], block_dtype: torch.dtype, batch_size: int,
+                    seq_len: int, others: int, budget: int) -> List[GroupPlan]:
+    """``checkpoint="auto"`` under ``budget``: blocks, first to last, stop checkpointing while the estimate fits."""
+    planned = list(blocks)
+    for index, block in enumerate(blocks):
+        trial = planned[:index] + [dataclasses.replace(block, checkpoint=False)] + planned[index + 1:]
+        if others + (_activations(model, trial, block_dtype, batch_size, seq_len) or 0) > _usable(budget):
+            break
+        planned = trial
+    return planned
+
+
 def make_plan(model: nn.Module, world_size: int, *, layers: Optional[LayerPolicy] = None,
               checkpoint: Checkpoint = "auto", batch_size: Optional[int] = None, seq_len: Optional[int] = None,
-              offload: OffloadOptions = OffloadOptions(),
-              ranks_per_host: Optional[int] = None) -> Tuple[WrapPlan, List[Tuple[str, nn.Module]], Set[int]]:
+              offload: OffloadOptions = OffloadOptions(), ranks_per_host: Optional[int] = None,
+              max_gpu_memory: Optional[int] = None) -> Tuple[WrapPlan, List[Tuple[str, nn.Module]], Set[int]]:
     """The plan, the block modules it names, and the ids of the parameters kept in the root."""
     blocks, rule = find_blocks(model, layers)
     shared_ids, shared_names = shared_parameters(model, blocks)
@@ -375,6 +408,9 @@ def make_plan(model: nn.Module, world_size: int, *, layers: Optional[LayerPolicy
         staging = offload.chunk_numel * 2 * grad_size * offload.staging_slots  # a gradient and a parameter (cudaHostAlloc)
     host_detail = (("optimizer state", exact["host_state"]), ("pinned staging", staging),
                    ("parameters and gradients", exact["host_params"]))
+    if checkpoint == "auto" and max_gpu_memory is not None and batch_size is not None and seq_len is not None:
+        others = exact["params"] + exact["grads"] + exact["optimizer"] + gathered
+        block_plans = _keep_what_fits(model, block_plans, block_dtype, batch_size, seq_len, others, max_gpu_memory)
     memory = MemoryEstimate(
         params=exact["params"],
         grads=exact["grads"],
@@ -385,5 +421,5 @@ def make_plan(model: nn.Module, world_size: int, *, layers: Optional[LayerPolicy
         host_detail=host_detail,
     )
     plan = WrapPlan(type(model).__name__, world_size, rule, tuple(block_plans), root, tuple(shared_names),
-                    checkpoint, memory, offload, ranks_per_host or min(world_size, 8))
+                    checkpoint, memory, offload, ranks_per_host or min(world_size, 8), max_gpu_memory)
     return plan, blocks, shared_ids

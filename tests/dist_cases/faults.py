@@ -7,6 +7,8 @@ Every rank trains a small wrapped model (on its GPU where CUDA is available, ove
 - ``kill``: SIGKILLs itself;
 - ``hang``: sleeps for an hour (alive, never reaching its next collective);
 - ``reorder``: runs its blocks in reverse order from there on (what rank-dependent control flow does);
+- ``oom``: raises ``torch.OutOfMemoryError`` (every block is checkpointed, so nothing recovers);
+- ``oom-backward``: raises it when the block's forward is recomputed in backward instead;
 - ``none``: nothing (the loop ends normally).
 Each rank prints ``rank R step S`` after each step, ``FAULT <mode> <unix time>`` just before the
 fault and ``RAISED <unix time>`` when a ``bmtwrap.CollectiveError`` reaches the top, on stdout,
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 
 import bmtwrap as bmt
+from bmtwrap.schedule import in_backward
 
 MODE, VICTIM, TIMEOUT = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 CHECK = len(sys.argv) > 4 and sys.argv[4] == "check"
@@ -37,7 +40,8 @@ class Layer(nn.Module):
         self.lin = nn.Linear(WIDTH, WIDTH)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, WIDTH) -> (B, WIDTH)
-        if STATE["step"] == FAULT_STEP and self.index == FAULT_BLOCK and not STATE["fired"] and bmt.rank() == VICTIM:
+        if (STATE["step"] == FAULT_STEP and self.index == FAULT_BLOCK and not STATE["fired"] and bmt.rank() == VICTIM
+                and in_backward() == (MODE == "oom-backward")):
             STATE["fired"] = True
             fault()
         return torch.tanh(self.lin(x))
@@ -69,11 +73,14 @@ def fault() -> None:
         time.sleep(3600)
     elif MODE == "reorder":
         STATE["reversed"] = True
+    elif MODE.startswith("oom"):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected by the test)")
 
 
 def main() -> None:
     ctx = bmt.init_distributed(seed=0, timeout=TIMEOUT, check_collectives=CHECK)
-    model = bmt.wrap(Net().to(ctx.device))
+    # checkpoint='auto' would recover from running out of memory in a kept block on a GPU; nothing recovers here.
+    model = bmt.wrap(Net().to(ctx.device), checkpoint=True if MODE.startswith("oom") else "auto")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.Generator().manual_seed(bmt.rank())
     for step in range(1, STEPS + 1):

@@ -1,0 +1,138 @@
+"""GPU memory as the engine sees it: sizes a user writes ("24GiB"), and a gauge of what a step uses.
+
+[Note: what a GPU budget counts]
+``max_gpu_memory`` bounds what this process takes from the card, as ``nvidia-smi`` shows it: the
+caching allocator's reserve (tensors, plus the cached blocks and fragments the allocator holds) and
+the memory outside it (the CUDA context, NCCL's buffers, cuBLAS workspaces). The allocator's
+counters see only the first part, so the gauge measures the second as what the driver reports used
+on the card less the allocator's reserve. Other processes on the same card count there too, which
+is what a shared card needs: the memory they hold is not ours to plan with.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional, Protocol, Union
+
+import torch
+
+__all__ = ["MARGIN", "CudaGauge", "Gauge", "margin_bytes", "out_of_memory_advice", "format_bytes", "gauge_for", "parse_bytes"]
+
+# Share of the card checkpoint="auto" leaves unplanned (at least MIN_MARGIN): what varies between steps
+# (another sequence length, the allocator's rounding) and what its prediction cannot see.
+MARGIN = 0.04
+MIN_MARGIN = 512 * 2**20
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: Union[int, float, str], *, name: str = "max_gpu_memory") -> int:
+    """``"24GiB"``, ``"80GB"``, ``"512MiB"`` or a number of bytes → bytes (``name`` for the error).
+
+    Raises:
+        ValueError: not a positive size, or a unit other than B, kB/MB/GB/TB, KiB/MiB/GiB/TiB.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a size such as '24GiB' or a number of bytes, got {value!r}")
+    if isinstance(value, (int, float)):
+        nbytes = value
+    elif isinstance(value, str):
+        match = _SIZE.match(value)
+        unit = match.group(2).lower() if match else ""
+        if match is None or unit not in _UNITS:
+            raise ValueError(f"{name} must be a size such as '24GiB', '80GB' or '512MiB' (units B, kB, MB, GB, TB, "
+                             f"KiB, MiB, GiB, TiB), got {value!r}")
+        nbytes = float(match.group(1)) * _UNITS[unit]
+    else:
+        raise ValueError(f"{name} must be a size such as '24GiB' or a number of bytes, got {type(value).__name__}")
+    if not nbytes > 0:
+        raise ValueError(f"{name} must be a positive size, got {value!r}")
+    return int(nbytes)
+
+
+def margin_bytes(card: int) -> int:
+    """The bytes of a card of ``card`` bytes that ``checkpoint="auto"`` leaves unplanned."""
+    return max(MIN_MARGIN, int(MARGIN * card))
+
+
+def format_bytes(nbytes: float) -> str:
+    """``12.3 GiB``, ``512 MiB``: for messages."""
+    if abs(nbytes) >= 2**30:
+        return f"{nbytes / 2**30:.1f} GiB"
+    return f"{nbytes / 2**20:.0f} MiB"
+
+
+class Gauge(Protocol):
+    """What the automatic choices read of a device's memory (see [Note: what a GPU budget counts])."""
+
+    def card_bytes(self) -> int:
+        """The device's whole memory."""
+        ...
+
+    def allocated(self) -> int:
+        """Bytes in live tensors now."""
+        ...
+
+    def peak(self) -> int:
+        """The most bytes in live tensors since :meth:`reset_peak`."""
+        ...
+
+    def reserved_peak(self) -> int:
+        """The most bytes the allocator held (tensors and cache) since :meth:`reset_peak`."""
+        ...
+
+    def reset_peak(self) -> None:
+        ...
+
+    def outside_allocator(self) -> int:
+        """Bytes this process (and any other on the card) uses outside the allocator now."""
+        ...
+
+
+class CudaGauge:
+    """:class:`Gauge` of one CUDA device, from the caching allocator's counters and the driver's."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def card_bytes(self) -> int:
+        return torch.cuda.get_device_properties(self.device).total_memory
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def reserved_peak(self) -> int:
+        return torch.cuda.max_memory_reserved(self.device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def outside_allocator(self) -> int:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return max(0, total - free - torch.cuda.memory_reserved(self.device))
+
+
+def gauge_for(device: torch.device) -> Optional[Gauge]:
+    """The gauge of ``device``; ``None`` where memory is not measured (the CPU)."""
+    return CudaGauge(device) if device.type == "cuda" else None
+
+
+def out_of_memory_advice(device: torch.device, all_recompute: bool) -> str:
+    """What a step that ran out of memory on ``device`` measured, and the options that change it (for messages);
+    ``all_recompute``: every block already recomputes in backward."""
+    if device.type != "cuda":
+        return "The host ran out of memory: a smaller per-process batch, or fewer processes per host."
+    gauge = CudaGauge(device)
+    recompute = ("every block already recomputes in backward" if all_recompute else
+                 "wrap(model, checkpoint=True) recomputes every block")
+    return (f"GPU memory: a peak of {format_bytes(gauge.peak())} in tensors ({format_bytes(gauge.reserved_peak())} "
+            f"held by the allocator, {format_bytes(gauge.outside_allocator())} outside it) on a card of "
+            f"{format_bytes(gauge.card_bytes())}. To fit: {recompute}; wrap(model, max_gpu_memory='...') plans for "
+            "less of the card; AdamOffloadOptimizer(offload_fraction=1.0) or wrap(model, offload_params=True) moves "
+            "optimizer state or parameters to the host; or a smaller per-GPU batch. `python -m bmtwrap plan` "
+            "estimates each.")
