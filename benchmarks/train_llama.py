@@ -29,6 +29,8 @@ import torch
 import transformers
 
 import bmtwrap as bmt
+from bmtwrap.memory import CudaGauge
+from bmtwrap.wrap.convert import wrapped_record
 
 SIZES = {
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -115,6 +117,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--checkpoint", default="true", choices=["true", "false", "auto"])
+    parser.add_argument("--max-gpu-memory", default=None, help="wrap(max_gpu_memory=...), e.g. 21GiB")
     parser.add_argument("--zero-level", type=int, default=3, choices=[2, 3])
     parser.add_argument("--optimizer", default="adam", choices=["adam", "offload", "offload-in-backward", "torch"])
     parser.add_argument("--offload-threads", type=int, default=None,
@@ -145,8 +148,9 @@ def main() -> None:
     offloading = args.optimizer.startswith("offload")
     planned = bmt.plan(model, world_size=ctx.world_size, checkpoint=checkpoint, batch_size=args.batch, seq_len=args.seq,
                        offload_optimizer=offloading, offload_fraction=fraction if offloading and fraction != "auto" else 1.0,
-                       offload_params=args.offload_params).memory
-    model = bmt.wrap(model, checkpoint=checkpoint, offload_params=args.offload_params)
+                       offload_params=args.offload_params, max_gpu_memory=args.max_gpu_memory).memory
+    model = bmt.wrap(model, checkpoint=checkpoint, offload_params=args.offload_params,
+                     max_gpu_memory=args.max_gpu_memory)
     bmt.materialize(model)
     model.train()
     optimizer = {
@@ -163,7 +167,8 @@ def main() -> None:
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq),
                         generator=torch.Generator().manual_seed(ctx.rank)).to(ctx.device)
     torch.cuda.reset_peak_memory_stats()
-    times, peaks, reserved = [], [], []
+    times, peaks, reserved, used = [], [], [], []
+    gauge = CudaGauge(ctx.device)
     for i in range(args.warmup + args.steps):
         if i == args.warmup and offloading:
             stats_before = optimizer.offload_stats()
@@ -175,6 +180,7 @@ def main() -> None:
             times.append(time.perf_counter() - start)
         peaks.append(torch.cuda.max_memory_allocated())
         reserved.append(torch.cuda.max_memory_reserved())
+        used.append(gauge.reserved_peak() + gauge.outside_allocator())  # what nvidia-smi shows at most
         torch.cuda.reset_peak_memory_stats()
         if i == 0 and getattr(optimizer, "auto_report", None):
             bmt.print_rank(f"offload_fraction='auto' decided: {optimizer.auto_report}, first step's peak "
@@ -190,6 +196,7 @@ def main() -> None:
     if not math.isfinite(loss.item()):
         raise SystemExit(f"the loss is {loss.item()} after {args.warmup + args.steps} steps: training is broken, "
                          "the timings mean nothing")
+    auto = wrapped_record(model).auto  # what checkpoint="auto" chose, for the row
     step_s = statistics.median(times)
     tokens = args.batch * args.seq
     bmt.print_rank("RESULT " + json.dumps(dict(
@@ -200,6 +207,9 @@ def main() -> None:
         offload_params=args.offload_params, step_s=round(step_s, 4), tok_s_gpu=round(tokens / step_s, 1),
         mfu=round(per_token * tokens / step_s / PEAK_FLOPS, 4),
         peak_gib=round(max(peaks) / 2**30, 2), reserved_gib=round(max(reserved) / 2**30, 2),
+        used_gib=round(max(used) / 2**30, 2), max_gpu_memory=args.max_gpu_memory,
+        auto_kept_blocks=auto.report.get("kept_blocks") if auto is not None else None,
+        auto_predicted_gib=round(auto.report["predicted_peak_bytes"] / 2**30, 2) if auto and auto.report else None,
         step_peaks_gib=[round(p / 2**30, 1) for p in peaks],
         loss=round(loss.item(), 4),
         plan_gib=round(planned.total / 2**30, 2), plan_host_gib=round(planned.host / 2**30, 2),
