@@ -167,8 +167,10 @@ def expandable_segments() -> bool:
     conf = os.environ.get("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
     if conf is not None:
         return "expandable_segments:true" in conf.replace(" ", "").lower()
+    # torch 2.10 moved the setting to the accelerator-generic call; the CUDA one warns since.
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
     try:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        setter("expandable_segments:True")
     except (AttributeError, RuntimeError):
         return False  # a torch without the setting, or a backend that refuses it
     return True

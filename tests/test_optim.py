@@ -187,7 +187,7 @@ def test_expandable_segments_unless_the_allocator_is_configured(monkeypatch, env
     if env is not None:
         monkeypatch.setenv(env, value)
     calls = []
-    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    _patch_allocator_settings(monkeypatch, calls.append)
     assert expandable_segments() is expected
     assert calls == (["expandable_segments:True"] if sets else [])
 
@@ -200,5 +200,13 @@ def test_expandable_segments_refused_by_the_backend(monkeypatch):
     def refuse(_):
         raise RuntimeError("not supported")
 
-    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", refuse)
+    _patch_allocator_settings(monkeypatch, refuse)
     assert expandable_segments() is False
+
+
+def _patch_allocator_settings(monkeypatch, setter):
+    """Replace the allocator's setting call: the accelerator-generic one where torch has it, else CUDA's."""
+    if hasattr(torch._C, "_accelerator_setAllocatorSettings"):
+        monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", setter)
+    else:
+        monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", setter)
