@@ -134,7 +134,8 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
         checkpoint: as for :func:`wrap`; ``"auto"`` is planned as every block checkpointed,
             since ``wrap`` decides only in the first training step, unless ``max_gpu_memory`` and
             a batch shape are given: then as many blocks, first to last, keep their activations
-            as the estimate fits under the budget less ``checkpoint="auto"``'s margin.
+            as the estimate fits under the budget less ``checkpoint="auto"``'s margin and the memory
+            outside torch's allocator (``memory.outside_allocator_estimate``).
         batch_size: the batch size each rank runs, for the activation estimate (with ``seq_len``).
         seq_len: the sequence length, for the activation estimate (with ``batch_size``).
         offload_optimizer: plan for :class:`~bmtwrap.optim.AdamOffloadOptimizer` (optimizer state

@@ -37,7 +37,7 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Set, Tuple, Union
 import torch
 from torch import nn
 
-from ..memory import margin_bytes
+from ..memory import margin_bytes, outside_allocator_estimate
 from ..offload import DEFAULT_CHUNK_NUMEL, DEFAULT_SLOTS, adam_state_bytes
 from ..param import build_layout
 from .detect import LayerPolicy, find_blocks
@@ -167,7 +167,7 @@ class WrapPlan:
         ``None`` without a budget or a batch shape."""
         if self.max_gpu_memory is None or self.memory.activations is None:
             return None
-        return self.memory.total <= _usable(self.max_gpu_memory)
+        return self.memory.total <= _usable(self.max_gpu_memory, self.world_size)
 
     @property
     def block_names(self) -> List[str]:
@@ -196,8 +196,9 @@ class WrapPlan:
         lines.append(f"    gathered   {gib(m.gathered)}   activations {act}")
         lines.append(f"    total      {gib(m.total)}")
         if self.fits is not None:
-            usable = _usable(self.max_gpu_memory)
-            lines.append(f"  max_gpu_memory {self.max_gpu_memory / 2**30:.2f} GiB, less a margin: {usable / 2**30:.2f} GiB; "
+            usable = _usable(self.max_gpu_memory, self.world_size)
+            lines.append(f"  max_gpu_memory {self.max_gpu_memory / 2**30:.2f} GiB, less a margin and the memory outside "
+                         f"torch's allocator: {usable / 2**30:.2f} GiB; "
                          + ("fits" if self.fits else f"over by {(m.total - usable) / 2**30:.2f} GiB: offload the optimizer "
                             "(--offload), the block parameters (--offload-params), or a smaller batch"))
         detail = ", ".join(f"{name} {size / 2**30:.2f} GiB" for name, size in m.host_detail if size)
@@ -356,18 +357,19 @@ def _activations(model: nn.Module, blocks: List[GroupPlan], block_dtype: torch.d
     return saved + max(2 * layer, loss)
 
 
-def _usable(budget: int) -> int:
-    """What ``checkpoint="auto"`` plans with under ``budget`` (its margin taken from the budget, the card unknown)."""
-    return budget - margin_bytes(budget)
+def _usable(budget: int, world_size: int) -> int:
+    """The bytes of ``budget`` left for the estimate: less ``checkpoint="auto"``'s margin (taken from the budget,
+    the card unknown) and the memory a process takes outside torch's allocator (``memory.outside_allocator_estimate``)."""
+    return budget - margin_bytes(budget) - outside_allocator_estimate(world_size)
 
 
 def _keep_what_fits(model: nn.Module, blocks: List[GroupPlan], block_dtype: torch.dtype, batch_size: int,
-                    seq_len: int, others: int, budget: int) -> List[GroupPlan]:
+                    seq_len: int, others: int, budget: int, world_size: int) -> List[GroupPlan]:
     """``checkpoint="auto"`` under ``budget``: blocks, first to last, stop checkpointing while the estimate fits."""
     planned = list(blocks)
     for index, block in enumerate(blocks):
         trial = planned[:index] + [dataclasses.replace(block, checkpoint=False)] + planned[index + 1:]
-        if others + (_activations(model, trial, block_dtype, batch_size, seq_len) or 0) > _usable(budget):
+        if others + (_activations(model, trial, block_dtype, batch_size, seq_len) or 0) > _usable(budget, world_size):
             break
         planned = trial
     return planned
@@ -410,7 +412,8 @@ def make_plan(model: nn.Module, world_size: int, *, layers: Optional[LayerPolicy
                    ("parameters and gradients", exact["host_params"]))
     if checkpoint == "auto" and max_gpu_memory is not None and batch_size is not None and seq_len is not None:
         others = exact["params"] + exact["grads"] + exact["optimizer"] + gathered
-        block_plans = _keep_what_fits(model, block_plans, block_dtype, batch_size, seq_len, others, max_gpu_memory)
+        block_plans = _keep_what_fits(model, block_plans, block_dtype, batch_size, seq_len, others, max_gpu_memory,
+                                      world_size)
     memory = MemoryEstimate(
         params=exact["params"],
         grads=exact["grads"],
