@@ -268,9 +268,10 @@ class Engine:
                 method()
 
     def step_failed(self, error: BaseException, where: str) -> None:
-        """``error`` escapes the engine's part of a step at ``where`` (``"block 'layers.3'"``): add a note naming
-        this rank, the step and, for running out of memory, the memory and what to change; tell the watchdog,
-        so that the other ranks stop instead of waiting for this one (see [Note: a failed step])."""
+        """``error`` escapes the engine's part of a step at ``where`` (``"the forward of block 'layers.3'"``):
+        add a note naming this rank, the step and, for running out of memory, the memory and what to change;
+        tell the watchdog, so that the other ranks stop instead of waiting for this one (see [Note: a failed
+        step])."""
         if (getattr(error, "_bmtwrap_step", None) is not None or not isinstance(error, Exception)
                 or isinstance(error, CollectiveError)):  # that one names the operation and the ranks already
             return

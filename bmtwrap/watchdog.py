@@ -348,8 +348,9 @@ class Watchdog:
         waiting = self._waiting
         recent = [(seq, describe(op)) for seq, op in list(self._recent)]  # list(): one step, under the GIL
         failed = self._failed
-        return RankRecord(beat, self.issued, recent, "" if waiting is None else f"#{waiting[0]}, {describe(waiting[1])}",
-                          exited, "" if failed is None else failed[1], 0 if failed is None else failed[0])
+        blocked = "" if waiting is None else f"#{waiting[0]}, {describe(waiting[1])}"
+        return RankRecord(beat, self.issued, recent, blocked, exited, "" if failed is None else failed[1],
+                          0 if failed is None else failed[0])
 
     def _beat_loop(self, store: dist.Store) -> None:
         key = f"{_KEY}{self.rank}"

@@ -16,8 +16,9 @@
    under the limit: ``max_gpu_memory`` or the card, less ``memory.MARGIN`` of that. Every rank keeps
    the fewest blocks any rank can keep (one all-reduce), so that the ranks agree.
 4. For ``WATCH_STEPS`` steps after that, each step's measured peak (the allocator's reserve plus
-   the memory outside it, read as its backward ends) is checked against the limit at the next forward; a step that came closer to it than half
-   the margin gives blocks back to checkpointing, last kept first, until the overshoot is covered.
+   the memory outside it, read as its backward ends) is checked against the limit at the next
+   forward; a step that came closer to it than half the margin gives blocks back to
+   checkpointing, last kept first, until the overshoot is covered.
 5. In those steps a kept block that runs out of memory in its forward is not an error: its
    partial work is dropped, it and every kept block after it are checkpointed from then on, and
    it runs again, checkpointed, from the same random state (one warning). Only blocks are
@@ -153,10 +154,10 @@ class AutoRecompute:
         gauge.reset_peak()
         if predicted > self.limit() and self._budget is not None:
             warnings.warn(f"bmtwrap: a training step with every block checkpointed is predicted to take "
-                          f"{format_bytes(predicted)} of this GPU, above max_gpu_memory={format_bytes(self._budget)} less "
-                          f"its margin ({format_bytes(self.limit())}); to stay under it, offload the optimizer's state "
-                          "(bmtwrap.optim.AdamOffloadOptimizer) or the parameters (wrap(model, offload_params=True)), "
-                          "or lower the per-GPU batch", RuntimeWarning, stacklevel=2)
+                          f"{format_bytes(predicted)} of this GPU, above max_gpu_memory={format_bytes(self._budget)} "
+                          f"less its margin ({format_bytes(self.limit())}); to stay under it, offload the optimizer's "
+                          "state (bmtwrap.optim.AdamOffloadOptimizer) or the parameters (wrap(model, "
+                          "offload_params=True)), or lower the per-GPU batch", RuntimeWarning, stacklevel=2)
 
     def _check_peak(self) -> None:
         gauge = self._gauge
