@@ -214,7 +214,6 @@ class Engine:
         self._step_counter: Optional[Any] = None
         # GPU memory for the automatic choices (see [Note: who gets the GPU memory left]).
         self._gpu_claims: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
-        self.kept_activation_bytes = 0
         self.max_gpu_memory: Optional[int] = None  # the budget wrap(max_gpu_memory=...) set, in bytes
         self.passes_done = 0  # backward passes finished: the step running is number passes_done + 1
         # Told when a forward with autograd starts (outermost root) and when a backward ends (weak).
@@ -231,11 +230,11 @@ class Engine:
         spares the CPU update of 89 M elements (about 20 ms of a CPU's step), a GiB of kept
         activations spares a fraction of one block's forward (a few ms), and the CPU update is the
         slower side of an offloaded step. So the optimizer claims the bytes of all its state when it
-        is built; ``checkpoint="auto"``, deciding during the first backward, keeps activations only in
-        the memory beyond that claim and records what it kept (:attr:`kept_activation_bytes`), which
-        the optimizer leaves free when it settles. Once settled, the optimizer claims only the state
-        it decided to keep on the GPU but has not made yet, and withdraws the claim at the end of
-        the first step (or with the optimizer).
+        is built and settles during or after the first step, and ``checkpoint="auto"`` decides only at
+        the first forward after an optimizer step (``wrap/auto.py``): it measures the state the
+        optimizer made, and keeps activations only in the memory beyond any claim still open. Once
+        settled, the optimizer claims only the state it decided to keep on the GPU but has not made
+        yet, and withdraws the claim at the end of the first step (or with the optimizer).
         """
         if nbytes > 0:
             self._gpu_claims[owner] = nbytes

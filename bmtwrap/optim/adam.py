@@ -452,7 +452,6 @@ class AdamOffloadOptimizer(_AdamBase):
           segments, unless ``PYTORCH_ALLOC_CONF`` is set (``offload.expandable_segments``), and
           leaves ``FIXED_SEGMENTS_HEADROOM`` more where they are off: fixed-size segments strand
           several GiB as reserved but unusable memory on a full card;
-        - the activations ``checkpoint="auto"`` keeps from the second step on;
         - without ``step_in_backward``, the gradients of the parameters updated on the CPU: each
           waits on the GPU until the CPU takes it, and when the CPU is the slower side a step's
           worth waits into the next forward. With it they wait on the host instead (copied there
@@ -477,9 +476,6 @@ class AdamOffloadOptimizer(_AdamBase):
         peak = torch.cuda.max_memory_allocated(device)
         headroom = AUTO_HEADROOM + (0.0 if self._expandable else FIXED_SEGMENTS_HEADROOM)
         budget = total * (1.0 - headroom) - peak
-        if is_initialized():
-            # Activations checkpoint="auto" decided to keep from the second step on.
-            budget -= engine().kept_activation_bytes
         grads_wait_on_gpu = not self.step_in_backward
         if grads_wait_on_gpu:
             # The gradient of a parameter updated on the CPU stays on the GPU until the CPU takes it, up

@@ -84,11 +84,14 @@ class AutoRecompute:
     def decided(self) -> bool:
         return self._phase in ("watch", "done")
 
+    def _ceiling(self) -> int:
+        """Bytes the process may take from the card: ``max_gpu_memory``, at most the card."""
+        card = self._gauge.card_bytes()
+        return card if self._budget is None else min(self._budget, card)
+
     def limit(self) -> int:
         """Bytes the process may take from the card, less the margin."""
-        card = self._gauge.card_bytes()
-        budget = card if self._budget is None else min(self._budget, card)
-        return budget - margin_bytes(budget)
+        return self._ceiling() - margin_bytes(self._ceiling())
 
     # --- the engine's calls ------------------------------------------------------------------
     def _measured(self, runner: BlockRunner, nbytes: int) -> None:
@@ -146,7 +149,6 @@ class AutoRecompute:
             self.kept.append(runner)
             runner.on_out_of_memory = self._recover
         kept_bytes = sum(self._sizes[id(r)] for r in self.kept)
-        engine().kept_activation_bytes += kept_bytes
         self.report = dict(card_bytes=gauge.card_bytes(), limit_bytes=self.limit(), predicted_peak_bytes=predicted,
                            kept_blocks=count, blocks=len(self._runners), kept_activation_bytes=kept_bytes,
                            first_step_peak_bytes=self._step_peak, outside_allocator_bytes=outside)
@@ -163,7 +165,7 @@ class AutoRecompute:
         gauge = self._gauge
         used, self._used = self._used, 0
         limit = self.limit()
-        margin = (gauge.card_bytes() if self._budget is None else min(self._budget, gauge.card_bytes())) - limit
+        margin = margin_bytes(self._ceiling())
         # Every rank gives back what the rank nearest its limit must, and keeps no more blocks than the rank that
         # keeps the fewest (one that recovered from running out of memory).
         overshoot, fewest = _agree_max([max(0, used - (limit + margin // 2)), -len(self.kept)])
@@ -199,7 +201,6 @@ class AutoRecompute:
             runner.recompute = True
             runner.on_out_of_memory = None
             freed += self._sizes[id(runner)]
-        engine().kept_activation_bytes -= freed
         self.report["kept_blocks"] = len(self.kept)
         return freed
 
