@@ -405,8 +405,9 @@ class Watchdog:
         or for ever where a collective hangs on the GPU. So each rank's record says that its step
         failed, and with what, until it issues another collective (a program that catches the error
         and goes on clears it). A rank whose wait has lasted a beat reads the others' records; one
-        that has failed (in a step this rank did not fail in too) or exited, and has issued fewer
-        collectives than the one waited for, will never arrive: seen so on two beats in a row, this
+        that has failed (in a step this rank did not fail in too) and has issued fewer collectives
+        than the one waited for, or that has exited (a collective it finished would have finished
+        here too), will never arrive: seen so on two beats in a row, this
         rank prints what that rank said and ends with status 1, within about three seconds. A rank
         dying of an uncaught exception ends promptly too (:func:`_end_promptly_after_uncaught_exception`).
         """
@@ -422,8 +423,9 @@ class Watchdog:
         except (RuntimeError, OSError, ValueError):
             return
         mine = self._failed
-        gone = {r: rec for r, rec in records.items() if rec.issued < seq and (
-            rec.exited or (rec.failed and not (mine is not None and mine[0] == rec.failed_step)))}
+        # An exited rank never finishes what it issued either: a collective it finished would have finished here.
+        gone = {r: rec for r, rec in records.items() if rec.exited or (
+            rec.issued < seq and rec.failed and not (mine is not None and mine[0] == rec.failed_step))}
         confirmed = [r for r, rec in gone.items() if self._suspects.get(r) == rec.issued]
         self._suspects = {r: rec.issued for r, rec in gone.items()}
         if not confirmed:
@@ -433,7 +435,7 @@ class Watchdog:
         why = (f"rank {rank} failed in step {rec.failed_step}: {rec.failed}" if rec.failed else
                f"rank {rank} has exited")
         print(f"[bmtwrap watchdog, rank {self.rank}] ending the process: {why}; it issued {rec.issued} collectives "
-              f"and will not issue #{seq}, which this rank waits for", file=sys.stderr, flush=True)
+              f"and will not finish #{seq}, which this rank waits for", file=sys.stderr, flush=True)
         self._end_process(1)
 
     def _report_stall(self, seq: int, op: Operation, waited: float, first: int) -> None:
@@ -580,10 +582,11 @@ def _judge(rank: int, first: Optional[RankRecord], latest: Optional[RankRecord],
     parted_too = f", and it {where}" if parted else ""
     failed = f"rank {rank} failed in step {latest.failed_step}: {latest.failed}; " if latest.failed else ""
     if latest.exited:
+        if failed:  # the cause, even when it issued this collective before it failed (a prefetch)
+            tail = f"{history}, and {where}" if where else "after issuing this collective"
+            return _Verdict(rank, f"{failed}it has exited since, {tail}", True, parted is not None)
         if not where:
             return _Verdict(rank, f"rank {rank} has exited since, after reaching this collective", False)
-        if failed:
-            return _Verdict(rank, f"{failed}it has exited since, {history}, and {where}", True, parted is not None)
         return _Verdict(rank, f"rank {rank} has exited (an exception, a normal end, or destroy_process_group()) "
                         f"{history}, and {where}", True, parted is not None)
     if not _moved(first, latest):

@@ -201,6 +201,8 @@ def test_out_of_memory_on_one_rank_stops_every_rank_at_once(jobs, mode, where):
         # The watchdog ends a rank waiting on the GPU; on gloo, the victim's exit fails the collective at once.
         said = re.escape(f"rank {VICTIM} failed in step 3: OutOfMemoryError in {where}. The host ran out of memory")
         assert (re.search(rf"\[bmtwrap watchdog, rank {r}\] ending the process: {said}", rank.stderr)
+                # "since, after #N ..." when it never issued this collective; "since, after issuing this
+                # collective" when it had (a prefetch) before it failed
                 or re.search(rf"CollectiveError: {OPERATION} failed on rank {r}: {said}[^;]*; it has exited since",
                              rank.stderr)), rank.stderr[-3000:]
 
@@ -297,7 +299,9 @@ def test_a_rank_waiting_for_a_failed_rank_ends_after_two_beats(monkeypatch, caps
                         "block 'layers.1'. GPU memory: ...", 3)
     for peer, mine, ends in ((failed, None, True), (failed._replace(issued=5), None, False),
                              (failed, (3, "ValueError in the forward of block 'layers.2'"), False),
-                             (failed._replace(failed="", failed_step=0, exited=True), None, True)):
+                             (failed._replace(failed="", failed_step=0, exited=True), None, True),
+                             # it issued #5 (a prefetch) before it failed and exited: it will not finish it
+                             (failed._replace(issued=5, exited=True), None, True)):
         store = dist.HashStore()
         store.set("bmtwrap/heartbeat/1", peer.encode())
         dog = watchdog(store, world=2)
@@ -309,9 +313,21 @@ def test_a_rank_waiting_for_a_failed_rank_ends_after_two_beats(monkeypatch, caps
         ended.clear()
     err = capsys.readouterr().err
     assert ("[bmtwrap watchdog, rank 0] ending the process: rank 1 failed in step 3: OutOfMemoryError in the forward "
-            "of block 'layers.1'. GPU memory: ...; it issued 4 collectives and will not issue #5, which this rank "
+            "of block 'layers.1'. GPU memory: ...; it issued 4 collectives and will not finish #5, which this rank "
             "waits for") in err
     assert "ending the process: rank 1 has exited; it issued 4 collectives" in err
+
+
+def test_failure_names_a_rank_that_failed_after_issuing_the_collective():
+    """A rank that prefetched this collective, then failed and exited, is the cause, and its reason is given."""
+    store = dist.HashStore()
+    with FakeRanks(store):
+        record = RankRecord(1, 6, [(6, "all-gather of 'layers.1'")], "", True, "OutOfMemoryError in the forward", 3)
+        store.set("bmtwrap/heartbeat/1", record.encode())
+        error = watchdog(store, world=2).failure(5, ("all-gather", "layers.2"), RuntimeError("Connection reset"))
+    assert ("failed on rank 0: rank 1 failed in step 3: OutOfMemoryError in the forward; it has exited since, after "
+            "issuing this collective.") in str(error)
+    assert error.ranks == (1,)
 
 
 def test_failure_without_a_store_still_names_the_operation():
