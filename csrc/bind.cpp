@@ -89,6 +89,37 @@ PYBIND11_MODULE(_C, m) {
       "to out_dtype (float16 or bfloat16) at out_ptr. Matches torch.optim.AdamW to fp32 rounding. "
       "num_threads=0: all cores; isa: which compiled kernels (CpuIsa.best: the widest this CPU has).");
 
+  // ------------------------------------------------------------- split fp32 masters (common.h, [Note: split master])
+  m.def(
+      "split_master_cpu",
+      [](std::uintptr_t master_ptr, std::uintptr_t weight_ptr, std::uintptr_t low_ptr, int64_t numel) {
+        bmtwrap::check_buffer("split_master_cpu", master_ptr, numel);
+        const auto* master = reinterpret_cast<const uint32_t*>(master_ptr);
+        auto* weight = reinterpret_cast<uint16_t*>(weight_ptr);
+        auto* low = reinterpret_cast<uint16_t*>(low_ptr);
+        for (int64_t i = 0; i < numel; ++i) {
+          const bmtwrap::SplitBits halves = bmtwrap::split_master_bits(master[i]);
+          weight[i] = halves.weight;
+          low[i] = halves.low;
+        }
+      },
+      "master_ptr"_a, "weight_ptr"_a, "low_ptr"_a, "numel"_a, py::call_guard<py::gil_scoped_release>(),
+      "Split numel fp32 masters at host address master_ptr into their bf16 weights (rounded to nearest even) "
+      "and 16-bit low halves.");
+  m.def(
+      "join_master_cpu",
+      [](std::uintptr_t weight_ptr, std::uintptr_t low_ptr, std::uintptr_t master_ptr, int64_t numel) {
+        bmtwrap::check_buffer("join_master_cpu", master_ptr, numel);
+        const auto* weight = reinterpret_cast<const uint16_t*>(weight_ptr);
+        const auto* low = reinterpret_cast<const uint16_t*>(low_ptr);
+        auto* master = reinterpret_cast<uint32_t*>(master_ptr);
+        for (int64_t i = 0; i < numel; ++i) {
+          master[i] = bmtwrap::join_master_bits(weight[i], low[i]);
+        }
+      },
+      "weight_ptr"_a, "low_ptr"_a, "master_ptr"_a, "numel"_a, py::call_guard<py::gil_scoped_release>(),
+      "Join numel bf16 weights and 16-bit low halves at host addresses into fp32 masters at master_ptr.");
+
   // ---------------------------------------------------------------- offload queue (cpu/offload.h, cuda/offload_link.h)
   using bmtwrap::cpu::OffloadQueue;
   using bmtwrap::cpu::OffloadTicket;
@@ -171,6 +202,11 @@ PYBIND11_MODULE(_C, m) {
         "exp_avg, exp_avg_sq fp32; grad of grad_dtype, multiplied by grad_scale on load; when out != 0, the new "
         "param rounded to out_dtype at out. When skip_flag_ptr != 0 and the uint8 there is nonzero, nothing is "
         "written. Runs on the current CUDA device.");
+  m.def("adam_split_cuda", &bmtwrap::cuda::adam_split_cuda, "weight"_a, "low"_a, "grad"_a, "grad_dtype"_a,
+        "exp_avg"_a, "exp_avg_sq"_a, "numel"_a, "lr"_a, "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "step"_a,
+        "grad_scale"_a, "decoupled"_a, "skip_flag_ptr"_a, "stream"_a, py::call_guard<py::gil_scoped_release>(),
+        "adam_cuda for bf16 weights whose fp32 master is split: joined from weight and low (uint16), updated, "
+        "and written back split.");
   m.def("cross_entropy_forward_cuda", &bmtwrap::cuda::cross_entropy_forward_cuda, "logits"_a, "dtype"_a,
         "targets"_a, "N"_a, "V"_a, "ignore_index"_a, "label_smoothing"_a, "loss_out"_a, "lse_out"_a, "stream"_a,
         py::call_guard<py::gil_scoped_release>(),

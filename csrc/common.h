@@ -57,6 +57,45 @@ BMT_HOST_DEVICE inline bool is_inf_or_nan_bits(Bits bits, Bits exponent_mask) {
   return (bits & exponent_mask) == exponent_mask;
 }
 
+// [Note: split master]
+// An fp32 master weight w is kept as two 16-bit halves: the bf16 weight the model computes with, RNE(w), and
+// the low 16 bits of w. The high 16 bits of w are the weight's bits, less one when rounding went up, which
+// the low half tells: rounding went up exactly when it is >= 0x8000. The one case it cannot tell is a tie
+// (low half 0x8000) that rounded down to an even weight; that master is stored one fp32 ulp lower
+// (0x7FFF), toward its weight, which then still rounds to it. A NaN master is stored as a quiet NaN weight
+// with a zero low half. A weight that is zero, inf or NaN is its own master: one written by a user over the
+// low half of another value stays as written (a master that rounds to zero becomes zero).
+// Any other weight gets a master that rounds to it, whatever low half it meets. So 4 bytes hold both the
+// weight and its master, where a separate master costs 6.
+struct SplitBits {
+  uint16_t weight;
+  uint16_t low;
+};
+
+BMT_HOST_DEVICE inline SplitBits split_master_bits(uint32_t master) {
+  const uint32_t high = master >> 16;
+  uint32_t low = master & 0xFFFFu;
+  if ((master & 0x7F800000u) == 0x7F800000u && (master & 0x007FFFFFu) != 0u) {
+    return {static_cast<uint16_t>((high & 0x8000u) | 0x7FC0u), 0};  // NaN
+  }
+  const bool up = low > 0x8000u || (low == 0x8000u && (high & 1u) != 0u);
+  if (low == 0x8000u && !up) {
+    low = 0x7FFFu;
+  }
+  return {static_cast<uint16_t>(high + (up ? 1u : 0u)), static_cast<uint16_t>(low)};
+}
+
+BMT_HOST_DEVICE inline uint32_t join_master_bits(uint16_t weight, uint16_t low) {
+  if ((weight & 0x7F80u) == 0x7F80u || (weight & 0x7FFFu) == 0u) {
+    return static_cast<uint32_t>(weight) << 16;  // inf, NaN or zero: its own master
+  }
+  if (low == 0x8000u && (weight & 1u) != 0u) {
+    return (static_cast<uint32_t>(weight) << 16) | 0x7FFFu;  // never split so: a written weight, kept
+  }
+  const uint32_t high = static_cast<uint16_t>(weight - (low >= 0x8000u ? 1u : 0u));
+  return (high << 16) | low;
+}
+
 // Calls f(DTypeTraits<dtype>{}) so that one template serves every dtype (no copy per dtype).
 template <typename F>
 decltype(auto) dispatch_dtype(DType dtype, F&& f) {

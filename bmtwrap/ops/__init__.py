@@ -9,6 +9,8 @@ One module per kernel family, mirroring ``csrc/``:
 - ``inf_nan``: :func:`has_inf_nan`, :func:`has_inf_nan_into` (``csrc/{cpu,cuda}/inf_nan``);
 - ``adam_cpu``, ``adam_cuda``: :func:`adam_step_cpu`, :func:`adam_step_cuda` (``csrc/cpu/adam.cpp``,
   ``csrc/cuda/adam.cu``);
+- ``master_split``: :func:`split_master`, :func:`join_master`, :func:`adam_step_split` (fp32 masters kept as
+  bf16 weights plus low halves; ``csrc/common.h``, ``csrc/cuda/adam.cu``);
 - ``cross_entropy``: :func:`cross_entropy_forward`, :func:`cross_entropy_backward_`
   (``csrc/cuda/cross_entropy.cu``);
 - ``offload``: :class:`OffloadQueue` (``csrc/cpu/offload.cpp``, ``csrc/cuda/offload_link.cu``).
@@ -23,6 +25,7 @@ from .adam_cpu import adam_step_cpu
 from .adam_cuda import adam_step_cuda
 from .cross_entropy import cross_entropy_backward_, cross_entropy_forward
 from .inf_nan import has_inf_nan, has_inf_nan_into
+from .master_split import adam_step_split, join_master, split_master
 from .offload import OffloadQueue, OffloadTicket, OffloadUpdate
 
 # The plain-PyTorch references and the kernel tests' hooks, under the names tests/ reach them by
@@ -33,6 +36,7 @@ from .adam_cpu import _AdamHyper, _adam_reference, _adam_step_cpu_with
 from .adam_cuda import _adam_reference_unless
 from .cross_entropy import _cross_entropy_backward_reference, _cross_entropy_forward_reference
 from .inf_nan import _has_inf_nan_reference
+from .master_split import _join_master_reference, _split_master_reference
 
 __all__ = [
     "OffloadQueue",
@@ -40,10 +44,13 @@ __all__ = [
     "OffloadUpdate",
     "adam_step_cpu",
     "adam_step_cuda",
+    "adam_step_split",
     "cross_entropy_backward_",
     "cross_entropy_forward",
     "cuda_archs",
     "extension_available",
     "has_inf_nan",
     "has_inf_nan_into",
+    "join_master",
+    "split_master",
 ]

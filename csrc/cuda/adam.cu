@@ -2,7 +2,9 @@
 //
 // [Note: Adam kernel layout]
 // Four to five buffers of `numel` elements are read and written in step: param, exp_avg, exp_avg_sq (fp32),
-// grad (fp32/fp16/bf16) and optionally out (fp16/bf16). Each grid-stride step of a thread handles a pack of
+// grad (fp32/fp16/bf16) and optionally out (fp16/bf16). With a split master (see [Note: split master] in
+// common.h) param is absent: the master is read from, and written back to, the bf16 out and the 16-bit
+// low halves. Each grid-stride step of a thread handles a pack of
 // kPack = 8 consecutive elements: two 16-byte words of each fp32 buffer, one (or two) of the 16-bit ones.
 // The buffers are views that may start anywhere, so the launcher looks for one `head` in [0, kPack) such
 // that element `head` of every buffer sits on a 16-byte boundary; then
@@ -24,6 +26,7 @@
 #include "cuda/adam.h"
 
 #include <cmath>
+#include <cstring>
 #include <initializer_list>
 
 #include "cuda/kernel_utils.h"
@@ -77,23 +80,51 @@ BMT_HOST_DEVICE inline void adam_element(float& p, float& m, float& v, float gra
 
 template <typename G, typename O>
 struct AdamBuffers {
-  float* param;
+  float* param;  // nullptr with a split master
   const G* grad;
   float* exp_avg;
   float* exp_avg_sq;
   O* out;  // nullptr: no copy
+  uint16_t* low;  // the master's low halves (out holds its weights); nullptr: param is the master
   int64_t numel;
   int64_t head;     // see [Note: Adam kernel layout]
   int64_t n_packs;  // whole packs starting at element head
 };
 
+BMT_HOST_DEVICE inline float join_master(__nv_bfloat16 weight, uint16_t low) {
+  uint16_t weight_bits;
+  memcpy(&weight_bits, &weight, sizeof weight_bits);
+  const uint32_t bits = join_master_bits(weight_bits, low);
+  float master;
+  memcpy(&master, &bits, sizeof master);
+  return master;
+}
+
+BMT_HOST_DEVICE inline void split_master(float master, __nv_bfloat16& weight, uint16_t& low) {
+  uint32_t bits;
+  memcpy(&bits, &master, sizeof bits);
+  const SplitBits halves = split_master_bits(bits);
+  memcpy(&weight, &halves.weight, sizeof weight);
+  low = halves.low;
+}
+
 // The part of the buffers that thread `thread` of `stride` updates. Host-callable, so that the layout can
-// be checked on a machine without a GPU.
-template <typename G, typename O>
+// be checked on a machine without a GPU. kSplit: the master is split (O is bfloat16, see AdamBuffers).
+template <bool kSplit, typename G, typename O>
 BMT_HOST_DEVICE void adam_thread(const AdamBuffers<G, O>& b, const AdamScalars& s, int64_t thread, int64_t stride) {
   for (int64_t i = thread; i < b.n_packs; i += stride) {
     const int64_t first = b.head + i * kPack;
-    Pack<float, kPack> p = load_pack<float, kPack>(b.param + first);
+    Pack<float, kPack> p;
+    if constexpr (kSplit) {
+      const Pack<O, kPack> weights = load_pack<O, kPack>(b.out + first);
+      const Pack<uint16_t, kPack> lows = load_pack<uint16_t, kPack>(b.low + first);
+#pragma unroll
+      for (int k = 0; k < kPack; ++k) {
+        p.v[k] = join_master(weights.v[k], lows.v[k]);
+      }
+    } else {
+      p = load_pack<float, kPack>(b.param + first);
+    }
     Pack<float, kPack> m = load_pack<float, kPack>(b.exp_avg + first);
     Pack<float, kPack> v = load_pack<float, kPack>(b.exp_avg_sq + first);
     const Pack<G, kPack> g = load_pack<G, kPack>(b.grad + first);
@@ -101,16 +132,27 @@ BMT_HOST_DEVICE void adam_thread(const AdamBuffers<G, O>& b, const AdamScalars& 
     for (int k = 0; k < kPack; ++k) {
       adam_element(p.v[k], m.v[k], v.v[k], to_float(g.v[k]), s);
     }
-    store_pack(b.param + first, p);
     store_pack(b.exp_avg + first, m);
     store_pack(b.exp_avg_sq + first, v);
-    if (b.out != nullptr) {
-      Pack<O, kPack> o;
+    if constexpr (kSplit) {
+      Pack<O, kPack> weights;
+      Pack<uint16_t, kPack> lows;
 #pragma unroll
       for (int k = 0; k < kPack; ++k) {
-        o.v[k] = from_float<O>(p.v[k]);
+        split_master(p.v[k], weights.v[k], lows.v[k]);
       }
-      store_pack(b.out + first, o);
+      store_pack(b.out + first, weights);
+      store_pack(b.low + first, lows);
+    } else {
+      store_pack(b.param + first, p);
+      if (b.out != nullptr) {
+        Pack<O, kPack> o;
+#pragma unroll
+        for (int k = 0; k < kPack; ++k) {
+          o.v[k] = from_float<O>(p.v[k]);
+        }
+        store_pack(b.out + first, o);
+      }
     }
   }
 
@@ -118,20 +160,29 @@ BMT_HOST_DEVICE void adam_thread(const AdamBuffers<G, O>& b, const AdamScalars& 
   const int64_t n_scalars = b.head + (b.numel - tail_begin);
   for (int64_t j = thread; j < n_scalars; j += stride) {
     const int64_t i = j < b.head ? j : tail_begin + (j - b.head);
-    float p = b.param[i];
+    float p;
+    if constexpr (kSplit) {
+      p = join_master(b.out[i], b.low[i]);
+    } else {
+      p = b.param[i];
+    }
     float m = b.exp_avg[i];
     float v = b.exp_avg_sq[i];
     adam_element(p, m, v, to_float(b.grad[i]), s);
-    b.param[i] = p;
     b.exp_avg[i] = m;
     b.exp_avg_sq[i] = v;
-    if (b.out != nullptr) {
-      b.out[i] = from_float<O>(p);
+    if constexpr (kSplit) {
+      split_master(p, b.out[i], b.low[i]);
+    } else {
+      b.param[i] = p;
+      if (b.out != nullptr) {
+        b.out[i] = from_float<O>(p);
+      }
     }
   }
 }
 
-template <typename G, typename O>
+template <bool kSplit, typename G, typename O>
 __global__ void __launch_bounds__(kThreads)
     adam_kernel(AdamBuffers<G, O> buffers, AdamScalars scalars, const uint8_t* __restrict__ skip_flag) {
   // Every thread reads the flag (one cached byte) so that a set flag leaves every buffer untouched.
@@ -140,7 +191,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  adam_thread(buffers, scalars, thread, stride);
+  adam_thread<kSplit>(buffers, scalars, thread, stride);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -195,19 +246,20 @@ AdamBuffers<G, O> with_layout(AdamBuffers<G, O> b) {
                                     {reinterpret_cast<std::uintptr_t>(b.exp_avg), sizeof(float)},
                                     {reinterpret_cast<std::uintptr_t>(b.exp_avg_sq), sizeof(float)},
                                     {reinterpret_cast<std::uintptr_t>(b.grad), sizeof(G)},
-                                    {reinterpret_cast<std::uintptr_t>(b.out), sizeof(O)}});
+                                    {reinterpret_cast<std::uintptr_t>(b.out), sizeof(O)},
+                                    {reinterpret_cast<std::uintptr_t>(b.low), sizeof(uint16_t)}});
   b.head = head < 0 ? b.numel : std::min(head, b.numel);
   b.n_packs = (b.numel - b.head) / kPack;
   return b;
 }
 
-template <typename G, typename O>
+template <bool kSplit, typename G, typename O>
 void launch(const AdamBuffers<G, O>& buffers, const AdamScalars& scalars, const uint8_t* skip_flag,
             cudaStream_t stream) {
   const int64_t n_scalars = buffers.numel - buffers.n_packs * kPack;
   const int64_t work = std::max(buffers.n_packs, n_scalars);
   const int64_t blocks = std::clamp<int64_t>((work + kThreads - 1) / kThreads, 1, resident_blocks(kOp, kThreads));
-  adam_kernel<G, O><<<static_cast<int>(blocks), kThreads, 0, stream>>>(buffers, scalars, skip_flag);
+  adam_kernel<kSplit, G, O><<<static_cast<int>(blocks), kThreads, 0, stream>>>(buffers, scalars, skip_flag);
   check_cuda(cudaGetLastError(), kOp, "kernel launch");
 }
 
@@ -226,20 +278,27 @@ void check_hyperparameters(double lr, double beta1, double beta2, double eps, do
   }
 }
 
+// The checks every step makes: no null buffer, sane hyper-parameters, aligned moments. False: nothing to do.
+bool check_step(std::initializer_list<std::uintptr_t> buffers, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq,
+                int64_t numel, double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step) {
+  for (const std::uintptr_t ptr : buffers) {
+    check_buffer(kOp, ptr, numel);
+  }
+  check_hyperparameters(lr, beta1, beta2, eps, weight_decay, step);
+  check_aligned(kOp, "exp_avg", exp_avg, sizeof(float));
+  check_aligned(kOp, "exp_avg_sq", exp_avg_sq, sizeof(float));
+  return numel > 0;
+}
+
 }  // namespace
 
 void adam_cuda(std::uintptr_t param, std::uintptr_t grad, DType grad_dtype, std::uintptr_t exp_avg,
                std::uintptr_t exp_avg_sq, int64_t numel, double lr, double beta1, double beta2, double eps,
                double weight_decay, int64_t step, double grad_scale, bool decoupled, std::uintptr_t out,
                DType out_dtype, std::uintptr_t skip_flag_ptr, std::uintptr_t stream) {
-  for (const std::uintptr_t ptr : {param, grad, exp_avg, exp_avg_sq}) {
-    check_buffer(kOp, ptr, numel);
-  }
-  check_hyperparameters(lr, beta1, beta2, eps, weight_decay, step);
   check_aligned(kOp, "param", param, sizeof(float));
-  check_aligned(kOp, "exp_avg", exp_avg, sizeof(float));
-  check_aligned(kOp, "exp_avg_sq", exp_avg_sq, sizeof(float));
-  if (numel == 0) {
+  if (!check_step({param, grad, exp_avg, exp_avg_sq}, exp_avg, exp_avg_sq, numel, lr, beta1, beta2, eps, weight_decay,
+                  step)) {
     return;
   }
   const AdamScalars scalars = fold_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale, decoupled);
@@ -251,12 +310,39 @@ void adam_cuda(std::uintptr_t param, std::uintptr_t grad, DType grad_dtype, std:
     dispatch_dtype(out_dtype, [&](auto out_traits) {
       using O = DeviceScalarT<decltype(out_traits)>;
       check_aligned(kOp, "out", out, sizeof(O));
-      const AdamBuffers<G, O> buffers{reinterpret_cast<float*>(param),      reinterpret_cast<const G*>(grad),
-                                      reinterpret_cast<float*>(exp_avg),    reinterpret_cast<float*>(exp_avg_sq),
-                                      reinterpret_cast<O*>(out),            numel,
-                                      /*head=*/0,                           /*n_packs=*/0};
-      launch(with_layout(buffers), scalars, skip_flag, cuda_stream);
+      const AdamBuffers<G, O> buffers{reinterpret_cast<float*>(param),   reinterpret_cast<const G*>(grad),
+                                      reinterpret_cast<float*>(exp_avg), reinterpret_cast<float*>(exp_avg_sq),
+                                      reinterpret_cast<O*>(out),         /*low=*/nullptr,
+                                      numel,                             /*head=*/0,
+                                      /*n_packs=*/0};
+      launch</*kSplit=*/false>(with_layout(buffers), scalars, skip_flag, cuda_stream);
     });
+  });
+}
+
+void adam_split_cuda(std::uintptr_t weight, std::uintptr_t low, std::uintptr_t grad, DType grad_dtype,
+                     std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq, int64_t numel, double lr, double beta1,
+                     double beta2, double eps, double weight_decay, int64_t step, double grad_scale, bool decoupled,
+                     std::uintptr_t skip_flag_ptr, std::uintptr_t stream) {
+  check_aligned(kOp, "weight", weight, sizeof(uint16_t));
+  check_aligned(kOp, "low", low, sizeof(uint16_t));
+  if (!check_step({weight, low, grad, exp_avg, exp_avg_sq}, exp_avg, exp_avg_sq, numel, lr, beta1, beta2, eps,
+                  weight_decay, step)) {
+    return;
+  }
+  const AdamScalars scalars = fold_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale, decoupled);
+  const uint8_t* skip_flag = reinterpret_cast<const uint8_t*>(skip_flag_ptr);
+  cudaStream_t cuda_stream = reinterpret_cast<cudaStream_t>(stream);
+  dispatch_dtype(grad_dtype, [&](auto grad_traits) {
+    using G = DeviceScalarT<decltype(grad_traits)>;
+    using O = __nv_bfloat16;
+    check_aligned(kOp, "grad", grad, sizeof(G));
+    const AdamBuffers<G, O> buffers{/*param=*/nullptr,                   reinterpret_cast<const G*>(grad),
+                                    reinterpret_cast<float*>(exp_avg),   reinterpret_cast<float*>(exp_avg_sq),
+                                    reinterpret_cast<O*>(weight),        reinterpret_cast<uint16_t*>(low),
+                                    numel,                               /*head=*/0,
+                                    /*n_packs=*/0};
+    launch</*kSplit=*/true>(with_layout(buffers), scalars, skip_flag, cuda_stream);
   });
 }
 

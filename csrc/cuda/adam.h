@@ -27,4 +27,12 @@ void adam_cuda(std::uintptr_t param, std::uintptr_t grad, DType grad_dtype, std:
                double weight_decay, int64_t step, double grad_scale, bool decoupled, std::uintptr_t out,
                DType out_dtype, std::uintptr_t skip_flag_ptr, std::uintptr_t stream);
 
+// The same step for a bf16 weight whose fp32 master is split (see [Note: split master] in common.h): the
+// master is joined from `weight` (bf16) and `low` (its low halves, uint16), updated, and written back split,
+// so `weight` ends as the new master rounded to nearest even. No separate fp32 master exists.
+void adam_split_cuda(std::uintptr_t weight, std::uintptr_t low, std::uintptr_t grad, DType grad_dtype,
+                     std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq, int64_t numel, double lr, double beta1,
+                     double beta2, double eps, double weight_decay, int64_t step, double grad_scale, bool decoupled,
+                     std::uintptr_t skip_flag_ptr, std::uintptr_t stream);
+
 }  // namespace bmtwrap::cuda
