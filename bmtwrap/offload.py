@@ -42,10 +42,14 @@ _MADV_HUGEPAGE = 14  # linux/mman.h
 _CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 
 
-def adam_state_bytes(dtype: torch.dtype) -> int:
+def adam_state_bytes(dtype: torch.dtype, offloaded: bool = False) -> int:
     """Bytes per element of Adam's state for a parameter of ``dtype``: two fp32 moments, plus an fp32
-    master for a 16-bit parameter (an fp32 one is its own master)."""
-    return 8 if dtype == torch.float32 else 12
+    master for a 16-bit parameter (an fp32 one is its own master). Beside a bf16 parameter (state on its
+    own device, not ``offloaded``) the master takes 2 bytes: the parameter holds its other half (see
+    [Note: mixed precision] in ``optim/adam.py``)."""
+    if dtype == torch.float32:
+        return 8
+    return 10 if dtype == torch.bfloat16 and not offloaded else 12
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,33 @@ def test_matches_torch_adamw(cls):
         torch.testing.assert_close(full[name], value, rtol=1e-6, atol=1e-7, msg=name)
 
 
+def test_bf16_parameters_hold_half_of_their_master():
+    """A bf16 parameter is its master rounded, and the state keeps the master's low halves: 10 bytes an
+    element. The fp32 master it stands for is what a whole fp32 master fed the same gradients becomes."""
+    torch.manual_seed(3)
+    model = bmt.wrap(nn.Linear(64, 32).to(torch.bfloat16))
+    masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    split = bmt.optim.AdamOptimizer(model.parameters(), lr=1e-2, weight_decay=0.1)
+    whole = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1)
+    for _ in range(4):
+        model(torch.randn(16, 64).to(torch.bfloat16)).float().pow(2).mean().backward()
+        for p, master in zip(model.parameters(), masters):
+            master.grad = p.grad.float().view(master.shape)  # one process: the shard is the whole gradient
+        split.step()
+        whole.step()
+        split.zero_grad()
+    weight = next(model.parameters())
+    state = split.state[weight]
+    assert "master" not in state and state["master_low"].dtype == torch.int16
+    assert sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t) and t.dim()) == 64 * 32 * 10
+    saved = split.state_dict()["state"]
+    assert all(entry["master"].dtype == torch.float32 and "master_low" not in entry for entry in saved.values())
+    for index, (p, master) in enumerate(zip(model.parameters(), masters)):
+        torch.testing.assert_close(saved[index]["master"].view(-1), master.detach().view(-1), rtol=1e-6, atol=1e-7)
+        assert torch.equal(p.detach().view(-1), saved[index]["master"].view(-1).to(torch.bfloat16))
+    assert "master_low" in split.state[weight]  # state_dict() left the optimizer's own state alone
+
+
 @pytest.mark.parametrize("cls", [bmt.optim.AdamOptimizer, torch.optim.AdamW])
 def test_injected_inf_skips_the_step_and_shrinks_the_scale(cls):
     _, model = wrapped_mlp()

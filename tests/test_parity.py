@@ -74,3 +74,22 @@ def test_return_hidden_states(results):
 def test_inference_without_grad(results):
     _, r = _case(results, "eval_no_grad")
     assert r["logits_max_abs"] <= 1e-6
+
+
+def test_split_masters_train_as_whole_ones(results):
+    """bf16 on the CPU: AdamOptimizer keeps each master split with its parameter, AdamOffloadOptimizer a whole
+    fp32 one; both round to nearest even, so the parameters agree bit for bit but where a tie that rounded
+    down put a master one fp32 ulp lower (of the order of 1 in 65536 elements a step), and there by a bf16 step
+    at most. The masters agree to a few fp32 ulps."""
+    world, r = _case(results, "split_master_matches_whole")
+    assert r["split_masters"][0] > 0 and r["split_masters"][1] == 0, f"world {world}: {r}"
+    assert r["loss_max_rel"] <= 1e-3, f"world {world}: {r}"
+    assert r["params_differing"] <= 8 and r["param_max_abs"] <= 2**-7, f"world {world}: {r}"
+    assert r["master_max_rel"] <= 1e-6, f"world {world}: {r}"
+
+
+def test_split_masters_resume_bit_exactly(results):
+    """state_dict() joins each split master into an fp32 "master"; load_state_dict() splits it again."""
+    world, r = _case(results, "resume_adam_bf16")
+    assert r["masters"] > 0 and r["masters_fp32"], f"world {world}: {r}"
+    assert r["losses_equal"] and r["params_equal"], f"world {world}: {r}"

@@ -4,7 +4,12 @@
 A parameter may be bf16 or fp16 (what the model computes in and what gathers move). The
 optimizer keeps, per parameter shard, an fp32 master copy and fp32 moments; each step updates the
 master in fp32 and writes the rounded result into the parameter in the same pass. An fp32
-parameter is its own master.
+parameter is its own master. A bf16 parameter whose state is on its own device holds half of its
+master: the parameter is the master rounded to nearest even, and the state keeps only the master's
+low 16 bits (``state["master_low"]``; see [Note: split master] in ``csrc/common.h``), so that each
+parameter is kept once and its state takes 10 bytes per element instead of 12. ``state_dict()``
+joins the halves into the fp32 ``"master"`` every other layout has (on the CPU), and
+``load_state_dict()`` splits it again, writing the parameter: checkpoints are the same either way.
 
 Both optimizers read ``grad_scale`` (``1 / loss_scale``, times a clipping coefficient) inside
 the update, so unscaling and clipping cost no extra pass over the gradients.
@@ -67,6 +72,12 @@ def _offload_policy(registry: Any, param: torch.Tensor) -> OffloadPolicy:
 
 def _update_in_place(p: torch.Tensor, state: Dict[str, Any], hyper: Dict[str, Any]) -> None:
     """One Adam(W) step of ``p`` by the kernel of its own device, state on the same device."""
+    low = state.get("master_low")
+    if low is not None:
+        ops.adam_step_split(p.detach().view(-1), low.view(-1), p.grad.detach().reshape(-1), state["exp_avg"].view(-1),
+                            state["exp_avg_sq"].view(-1), **hyper)
+        increment_version(p)
+        return
     master = state.get("master", p)
     out = p if master is not p else None
     update = ops.adam_step_cuda if p.is_cuda else ops.adam_step_cpu
@@ -128,7 +139,7 @@ class _AdamBase(torch.optim.Optimizer):
                         f"parameter has {p.numel()}; load optimizer states at the world size they were saved at, "
                         "or through bmtwrap's sharded checkpoints"
                     )
-            new_state[p] = {name: self._place(p, name, value) for name, value in entry.items()}
+            new_state[p] = self._split_master(p, {name: self._place(p, name, value) for name, value in entry.items()})
         self.state.clear()
         self.state.update(new_state)
         for group, saved in zip(self.param_groups, groups):
@@ -139,6 +150,39 @@ class _AdamBase(torch.optim.Optimizer):
             return value
         return value.to(device=self._state_device(param), dtype=torch.float32).view(param.shape).clone()
 
+    def state_dict(self) -> Dict[str, Any]:
+        """As torch's, with every master an fp32 ``"master"``: split ones are joined, on the CPU (see
+        [Note: mixed precision]). The other state tensors are the optimizer's own, as torch returns them."""
+        state_dict = super().state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        for index, entry in list(state_dict["state"].items()):
+            if "master_low" in entry:
+                entry = dict(entry)  # torch hands out the state's own dicts
+                low = entry.pop("master_low")
+                weight = params[index].detach().reshape(-1).cpu()
+                entry["master"] = ops.join_master(weight, low.reshape(-1).cpu()).view(low.shape)
+                state_dict["state"][index] = entry
+        return state_dict
+
+    def _splits_master(self, p: torch.Tensor, device: torch.device) -> bool:
+        """Whether a master on ``device`` is split with ``p`` (see [Note: mixed precision])."""
+        return p.dtype == torch.bfloat16 and device == p.device
+
+    @torch.no_grad()
+    def _split_master(self, p: torch.Tensor, state: Dict[str, Any]) -> Dict[str, Any]:
+        """``state`` with its fp32 ``"master"`` split, if ``p`` holds half of it: ``p`` is written (the
+        master rounded to nearest even) and ``"master_low"`` takes its place."""
+        master = state.get("master")
+        if master is None or not self._splits_master(p, master.device):
+            return state
+        state = {k: v for k, v in state.items() if k != "master"}
+        weight = torch.empty(p.numel(), dtype=torch.bfloat16)
+        low = torch.empty(p.numel(), dtype=ops.master_split.LOW_DTYPE)
+        ops.split_master(master.detach().reshape(-1).cpu(), weight, low)
+        p.detach().view(-1).copy_(weight)  # bumps p's version: gathered copies are stale
+        state["master_low"] = low.to(p.device).view(p.shape)
+        return state
+
     def _state_device(self, param: torch.Tensor) -> torch.device:
         return param.device
 
@@ -147,7 +191,10 @@ class _AdamBase(torch.optim.Optimizer):
         state: Dict[str, Any] = {"step": 0,
                                  "exp_avg": torch.zeros(p.shape, dtype=torch.float32, device=device),
                                  "exp_avg_sq": torch.zeros(p.shape, dtype=torch.float32, device=device)}
-        if p.dtype != torch.float32 or device != p.device:
+        if self._splits_master(p, device):
+            # p is its own master to begin with: low halves of zero.
+            state["master_low"] = torch.zeros(p.shape, dtype=ops.master_split.LOW_DTYPE, device=device)
+        elif p.dtype != torch.float32 or device != p.device:
             state["master"] = p.detach().to(device=device, dtype=torch.float32).clone()
         return state
 
@@ -316,7 +363,8 @@ class AdamOffloadOptimizer(_AdamBase):
             the parameters are on a GPU (the training loop's thread keeps a core to launch GPU work).
         offload_fraction: the share of the parameters (by elements) whose master and moments live
             on the CPU; the rest keep theirs on the GPU and are updated there by the fused kernel
-            (12 bytes of GPU memory per element). The GPU keeps those the next forward needs
+            (10 bytes of GPU memory per element for bf16, 12 for fp16: see [Note: mixed
+            precision]). The GPU keeps those the next forward needs
             first (the parameters outside blocks, then the first blocks): their CPU updates are
             the last of a step's backward and the first its next forward waits for. Parameters
             offloaded by ``wrap(offload_params=True)`` are always updated on the CPU. ``"auto"``:
@@ -456,8 +504,9 @@ class AdamOffloadOptimizer(_AdamBase):
           waits on the GPU until the CPU takes it, and when the CPU is the slower side a step's
           worth waits into the next forward. With it they wait on the host instead (copied there
           as each becomes final), and the GPU needs no room for them.
-        The state takes 12 bytes per element (fp32 master, two moments; 8 for an fp32 parameter,
-        its own master), less the gradient it spares when gradients wait on the GPU, and goes to
+        The state takes 12 bytes per element on the host (fp32 master, two moments; 8 for an fp32
+        parameter, its own master) and 10 on the GPU beside a bf16 parameter (the master split with
+        it: [Note: mixed precision]), less the gradient it spares when gradients wait on the GPU, and goes to
         the parameters the next forward needs first, as a fixed ``offload_fraction`` would. (It has
         first call on the memory: [Note: who gets the GPU memory left] in ``schedule.py``.) State that
         already exists is
@@ -487,7 +536,8 @@ class AdamOffloadOptimizer(_AdamBase):
         kept_bytes = sum(p.numel() * adam_state_bytes(p.dtype) for p in params if id(p) in kept)
         self.auto_report = dict(gpu_bytes=total, peak_bytes=peak, headroom=headroom, state_bytes_on_gpu=kept_bytes,
                                 params_on_gpu=len(kept), params=len(params))
-        host_needed = sum(p.numel() * adam_state_bytes(p.dtype) for p in params if id(p) not in kept and not self.state[p])
+        host_needed = sum(p.numel() * adam_state_bytes(p.dtype, offloaded=True) for p in params
+                          if id(p) not in kept and not self.state.get(p))
         if self.step_in_backward:
             # At worst, when the CPU is the slower side, every gradient it updates waits there at once.
             host_needed += sum(p.numel() * p.element_size() for p in cuda if id(p) not in kept)
@@ -495,22 +545,26 @@ class AdamOffloadOptimizer(_AdamBase):
         if is_initialized():
             # The state not made yet keeps its claim until the end of this step.
             engine().claim_gpu_memory(self, sum(p.numel() * adam_state_bytes(p.dtype) for p in params
-                                                if id(p) in kept and not self.state[p]))
+                                                if id(p) in kept and not self.state.get(p)))
         if not kept:
             return
         self.wait()  # the CPU updates of the first step are written back
         for p in params:
-            if id(p) in kept and self.state[p]:
+            if id(p) in kept and self.state.get(p):
                 state = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.state[p].items()}
                 if p.dtype == torch.float32:
                     state.pop("master", None)  # on the GPU an fp32 parameter is its own master (equal after wait())
-                self.state[p] = state
+                self.state[p] = self._split_master(p, state)
         self._on_gpu = kept
         kept_numel = sum(p.numel() for p in params if id(p) in kept)
         self.offload_fraction = 1.0 - kept_numel / max(1, sum(p.numel() for p in params))
 
     def _state_device(self, param: torch.Tensor) -> torch.device:
         return param.device if id(param) in self._on_gpu else torch.device("cpu")
+
+    def _splits_master(self, p: torch.Tensor, device: torch.device) -> bool:
+        # The CPU's updates keep whole masters, even beside a parameter on the CPU.
+        return id(p) in self._on_gpu and super()._splits_master(p, device)
 
     def _new_state(self, p: torch.Tensor) -> Dict[str, Any]:
         if id(p) in self._on_gpu:

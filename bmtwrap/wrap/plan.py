@@ -7,7 +7,8 @@ model built on the meta device, without allocating weights.
 Three parts are exact, computed with the engine's own layout (``param.build_layout``): the
 parameter shards (each group's flat buffers, one per (dtype, requires_grad), padded), the gradient
 shards (trainable buffers, in the reduction dtype), and Adam's state (fp32 moments, plus an fp32
-master for 16-bit parameters, over the elements a rank really owns). Ranks own slightly different
+master for 16-bit parameters, of which a bf16 parameter on the GPU holds half, over the elements a rank
+really owns). Ranks own slightly different
 element counts (alignment gaps, the tail padding): the plan reports the largest.
 
 The rest is a model of the peak of a training step of a transformer, which comes at the start of
@@ -108,7 +109,7 @@ class MemoryEstimate:
         params: this rank's parameter shards kept on the GPU (exact).
         grads: this rank's gradient shards on the GPU (exact).
         optimizer: Adam(W) state on the GPU: fp32 moments, plus an fp32 master for 16-bit
-            parameters, for the shards whose state is not offloaded (exact).
+            parameters (its low half for bf16 ones), for the shards whose state is not offloaded (exact).
         gathered: full copies alive at the peak: the root and its gradient, the two largest
             blocks, one block's gradient before its reduction.
         activations: saved activations plus the largest transient (a block's recomputation or
@@ -338,7 +339,7 @@ def _rank_bytes(groups: _Groups, offload: OffloadOptions, rank: int) -> Dict[str
             continue
         for index, numel in enumerate(buffer.owned[rank]):
             where = "optimizer" if (id(buffer), index) in on_gpu else "host_state"
-            out[where] += numel * adam_state_bytes(buffer.dtype)
+            out[where] += numel * adam_state_bytes(buffer.dtype, offloaded=where == "host_state")
     return out
 
 

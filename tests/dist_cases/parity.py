@@ -102,14 +102,14 @@ def run_steps(model: torch.nn.Module, opt: Any, share: torch.Tensor, n: int) -> 
     return losses
 
 
-def resume(optimizer: str, **kwargs: Any) -> Dict[str, Any]:
+def resume(optimizer: str, dtype: torch.dtype = DTYPE, **kwargs: Any) -> Dict[str, Any]:
     """5 steps, state_dict, a fresh model and optimizer loaded from it, 5 more == 10 straight steps."""
     rank, world = bmt.rank(), bmt.world_size()
     data = torch.randint(0, 64, (12, 17), generator=torch.Generator().manual_seed(8)).to(DEVICE)
     share = data[rank * (12 // world) : (rank + 1) * (12 // world)]
 
     def fresh():
-        _, model = build(DTYPE, **kwargs)
+        _, model = build(dtype, **kwargs)
         return model, OPTIMIZERS[optimizer](model.parameters())
 
     straight, opt = fresh()
@@ -117,22 +117,27 @@ def resume(optimizer: str, **kwargs: Any) -> Dict[str, Any]:
     first, opt1 = fresh()
     got = run_steps(first, opt1, share, 5)
     model_state, opt_state = bmt.full_state_dict(first), opt1.state_dict()
+    masters_fp32 = all(entry["master"].dtype == torch.float32 for entry in opt_state["state"].values()
+                       if "master" in entry)
     second, opt2 = fresh()
     bmt.load_state_dict(second, model_state)
     opt2.load_state_dict(opt_state)
     got += run_steps(second, opt2, share, 5)
     a, b = bmt.full_state_dict(straight), bmt.full_state_dict(second)
-    return {"losses_equal": got == expected, "params_equal": all(torch.equal(a[k], b[k]) for k in a)}
+    return {"losses_equal": got == expected, "params_equal": all(torch.equal(a[k], b[k]) for k in a),
+            "masters": sum("master" in entry for entry in opt_state["state"].values()), "masters_fp32": masters_fp32}
 
 
-def offload_matches_adam(other: str, offload_params: bool = False) -> Dict[str, Any]:
+def offload_matches_adam(other: str, offload_params: bool = False, dtype: torch.dtype = DTYPE) -> Dict[str, Any]:
     """GPU: AdamOffloadOptimizer (CPU kernel, copy streams, a worker thread, gathers waiting on
     write-backs) against AdamOptimizer (fused CUDA kernel): the same math, so the same training.
-    With ``offload_params`` the offloading run keeps its blocks' shards in host memory."""
+    With ``offload_params`` the offloading run keeps its blocks' shards in host memory. On the CPU in
+    bf16: AdamOptimizer's masters split with their parameters against the offloading one's whole ones."""
     rank, world = bmt.rank(), bmt.world_size()
     data = torch.randint(0, 64, (12, 17), generator=torch.Generator().manual_seed(9)).to(DEVICE)
     share = data[rank * (12 // world) : (rank + 1) * (12 // world)]
     results = []
+    split = []  # per run, the parameters whose master is split with them
     host_elements = []  # elements of optimizer state made in host memory
     import bmtwrap.optim.adam as adam_module
     made_on_host = adam_module.host_zeros
@@ -144,14 +149,16 @@ def offload_matches_adam(other: str, offload_params: bool = False) -> Dict[str, 
     adam_module.host_zeros = counted
     try:
         for name in ("adam", other):
-            _, model = build(DTYPE, offload_params=offload_params and name == other)
+            _, model = build(dtype, offload_params=offload_params and name == other)
             opt = OPTIMIZERS[name](model.parameters())
             losses = run_steps(model, opt, share, STEPS)
             if name != "adam":
                 opt.wait()
-            masters = torch.cat([opt.state[p]["master"].float().cpu().view(-1) for p in model.parameters()
-                                 if p in opt.state and "master" in opt.state[p]])
+            saved = opt.state_dict()["state"]  # split masters joined (see [Note: mixed precision])
+            masters = torch.cat([saved[i]["master"].float().cpu().view(-1) for i in sorted(saved)
+                                 if "master" in saved[i]])
             results.append((losses, bmt.full_state_dict(model), masters))
+            split.append(sum("master_low" in opt.state[p] for p in model.parameters() if p in opt.state))
     finally:
         adam_module.host_zeros = made_on_host
     on_gpu = [opt.state[p]["exp_avg"].is_cuda for p in model.parameters() if p in opt.state]
@@ -161,6 +168,8 @@ def offload_matches_adam(other: str, offload_params: bool = False) -> Dict[str, 
             "host_state_elements": sum(host_elements),
             "loss_max_rel": max(abs(a - b) / abs(a) for a, b in zip(l1, l2)),
             "param_max_abs": max((s1[k].float() - s2[k].float()).abs().max().item() for k in s1),
+            "params_differing": sum(int((s1[k] != s2[k]).sum()) for k in s1),
+            "split_masters": split,
             "master_max_rel": ((m1 - m2).abs().max() / m1.abs().max()).item()}
 
 
@@ -299,6 +308,9 @@ CASES = {
 }
 if DTYPE == torch.float32:
     CASES["float64"] = lambda: train(dtype=torch.float64)
+if DEVICE == "cpu":
+    CASES["split_master_matches_whole"] = lambda: offload_matches_adam("offload", dtype=torch.bfloat16)
+    CASES["resume_adam_bf16"] = lambda: resume("adam", dtype=torch.bfloat16)
 if DEVICE == "cuda":
     # A bf16 reference trained by torch's AdamW keeps no fp32 master, so it is no reference for ours.
     for name in [n for n in CASES if "adam" in n or ("offload" in n and not n.startswith("offload_params"))]:
