@@ -147,12 +147,13 @@ def plan_is_exact() -> Dict[str, Any]:
         planned = bmt.plan(model, world_size=bmt.world_size(), offload_optimizer=optimizer is bmt.optim.AdamOffloadOptimizer)
         bmt.wrap(model)
         opt = optimizer(p for p in model.parameters() if p.requires_grad)
-        ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(bmt.rank()))
+        ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(bmt.rank())).to(DEVICE)
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         state = [v for entry in opt.state.values() for v in entry.values()]
         actual = torch.tensor([_storage_bytes(model.parameters()), _storage_bytes(p.grad for p in model.parameters()),
                                _storage_bytes(state)])
+        actual = actual.to(DEVICE)
         torch.distributed.all_reduce(actual, op=torch.distributed.ReduceOp.MAX)
         state_planned = planned.memory.optimizer + dict(planned.memory.host_detail)["optimizer state"]
         out[name] = {"actual": actual.tolist(),
