@@ -42,7 +42,7 @@ from typing import NamedTuple
 import torch
 
 from bmtwrap import ops
-from bmtwrap.offload import advise_huge_pages
+from bmtwrap.engine.offload import advise_huge_pages
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 COPY_NUMEL = 128 * 1024 * 1024  # 512 MiB of fp32 per buffer: far beyond any last-level cache

@@ -58,7 +58,7 @@ import transformers
 from train_llama import SIZES
 
 import bmtwrap as bmt
-from bmtwrap.schedule import engine
+from bmtwrap.engine.schedule import engine
 
 # Beyond train_llama's sizes: "tiny" for a smoke test on the CPU, "small" (0.2B) for a CPU measurement.
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -136,7 +136,7 @@ def peak_host_gib() -> Optional[float]:
 @contextlib.contextmanager
 def measured(record: Dict[str, Any]) -> Iterator[None]:
     """Time from a barrier before to a barrier after; note rank 0's peak host and device memory."""
-    device = bmt.dist.current().device
+    device = bmt.engine.dist.current().device
     reset_peak_host()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -292,7 +292,7 @@ def dcp_row(bench: Bench, name: str) -> None:
     try:
         import torch.distributed.checkpoint as dcp
 
-        state = fsdp2_model(name, bmt.dist.current().device).state_dict()
+        state = fsdp2_model(name, bmt.engine.dist.current().device).state_dict()
     except Exception as err:  # FSDP2 or DCP missing or unsupported on this device: say so, keep the other rows
         report({**bench.common, "name": "dcp", "skipped": f"{type(err).__name__}: {err}"})
         return

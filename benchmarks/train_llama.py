@@ -29,7 +29,7 @@ import torch
 import transformers
 
 import bmtwrap as bmt
-from bmtwrap.memory import CudaGauge
+from bmtwrap.engine.memory import CudaGauge
 from bmtwrap.wrap.convert import wrapped_record
 
 SIZES = {
@@ -133,7 +133,7 @@ def main() -> None:
                         help="share of the GPU that offload_fraction='auto' leaves free (default: the optimizer's)")
     args = parser.parse_args()
     if args.auto_headroom is not None:
-        bmt.optim.adam.AUTO_HEADROOM = args.auto_headroom
+        bmt.optim.adam_offload.AUTO_HEADROOM = args.auto_headroom
     fraction = args.offload_fraction if args.offload_fraction == "auto" else float(args.offload_fraction)
 
     ctx = bmt.init_distributed(seed=0, zero_level=args.zero_level)

@@ -5,7 +5,7 @@
 
 Rows (one ``RESULT {json}`` line each, from rank 0):
 
-- ``collective``: an all-gather of ``--numel`` elements through ``bmtwrap.collectives.all_gather``,
+- ``collective``: an all-gather of ``--numel`` elements through ``bmtwrap.engine.collectives.all_gather``,
   issued and waited ``--reps`` times, with the context's watchdog and without it (``ctx.watchdog``
   set to ``None``, as in a world of one), alternating rounds so that drift hits both alike;
   ``us_per_op`` for each and the difference.
@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 import bmtwrap as bmt
-from bmtwrap.collectives import all_gather
-from bmtwrap.dist import current
+from bmtwrap.engine.collectives import all_gather
+from bmtwrap.engine.dist import current
 
 
 def _timed(fn: Callable[[], None], reps: int) -> float:

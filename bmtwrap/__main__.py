@@ -14,7 +14,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from .memory import parse_bytes
+from .engine.memory import parse_bytes
 
 DESCRIPTION = """\
 Print what bmtwrap.wrap would do to a Hugging Face model: the blocks it makes (each repeated layer

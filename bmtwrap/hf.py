@@ -48,10 +48,10 @@ from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 from transformers import PreTrainedModel, TrainingArguments
 
-from . import dist as _dist
+from .engine import dist as _dist
 from .checkpoint import load_checkpoint, save, save_checkpoint, save_pretrained
 from .checkpoint.sharded_format import INDEX
-from .full_state import full_state_dict
+from .engine.full_state import full_state_dict
 from .optim import AdamOffloadOptimizer, AdamOptimizer
 from .optim.optim_manager import grad_norm
 from .wrap import wrap

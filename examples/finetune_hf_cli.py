@@ -143,7 +143,7 @@ def check_numbers(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     if args.stop_at is not None and not 0 < args.stop_at <= args.steps:
         p.error(f"--stop-at must be in [1, --steps={args.steps}], got {args.stop_at}")
     if args.max_gpu_memory is not None:
-        from bmtwrap.memory import parse_bytes
+        from bmtwrap.engine.memory import parse_bytes
 
         try:
             parse_bytes(args.max_gpu_memory, name="--max-gpu-memory")

@@ -453,7 +453,7 @@ def test_num_threads_argument() -> None:
 
 
 def test_host_zeros_are_zero_and_writable() -> None:
-    from bmtwrap.offload import host_zeros
+    from bmtwrap.engine.offload import host_zeros
 
     tensor = host_zeros(3 << 20)  # past two huge pages: the advice path runs
     assert tensor.dtype == torch.float32 and tensor.numel() == 3 << 20 and not tensor.any()

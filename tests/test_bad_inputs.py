@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import bmtwrap as bmt
-import bmtwrap.dist
+import bmtwrap.engine.dist
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,13 +35,13 @@ class Row(NamedTuple):
 
 @pytest.fixture(scope="module", autouse=True)
 def world_of_one():
-    made_here = not bmtwrap.dist.is_initialized()
+    made_here = not bmtwrap.engine.dist.is_initialized()
     bmt.init_distributed(seed=0)
     yield
     if made_here:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-        bmtwrap.dist._CONTEXT = None
+        bmtwrap.engine.dist._CONTEXT = None
 
 
 def mlp() -> nn.Module:

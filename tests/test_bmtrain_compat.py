@@ -75,7 +75,7 @@ def test_config_reads_the_context() -> None:
 
 
 def test_nccl_names_refuse() -> None:
-    import bmtwrap.nccl as nccl
+    import bmtwrap.bmtrain.nccl as nccl
     for name in nccl.__all__:
         with pytest.raises(NotImplementedError, match="torch.distributed"):
             getattr(nccl, name)()
@@ -84,7 +84,7 @@ def test_nccl_names_refuse() -> None:
 
 
 def test_format_summary_layout() -> None:
-    from bmtwrap.inspect import format_summary
+    from bmtwrap.bmtrain.inspect import format_summary
     text = format_summary([{"name": "a.w", "shape": (2, 3), "max": 1.0, "min": -1.0, "std": 0.5, "mean": 0.0,
                             "grad_std": None, "grad_mean": None}])
     header, row = text.split("\n")
@@ -145,7 +145,7 @@ def test_pipeline_block_list_is_a_block_list() -> None:
 
 def test_bmtrain_alias_script() -> None:
     out = _run("""
-        from bmtwrap.compat import install_bmtrain_alias
+        from bmtwrap.bmtrain.compat import install_bmtrain_alias
         install_bmtrain_alias()
         import torch
         import bmtrain as bmt
@@ -159,7 +159,7 @@ def test_bmtrain_alias_script() -> None:
         assert CheckpointBlock is bmtwrap.CheckpointBlock and config is bmtwrap.config
         assert init_parameters is bmtwrap.init_parameters and save is bmtwrap.save and load is bmtwrap.load
         assert bmtrain.optim.AdamOptimizer is bmtwrap.optim.AdamOptimizer
-        assert bmtrain.inspect.inspect_model is bmtwrap.inspect.inspect_model
+        assert bmtrain.inspect.inspect_model is bmtwrap.bmtrain.inspect.inspect_model
         assert not hasattr(bmtwrap, "block_layer")  # the alias adds nothing to bmtwrap
         bmt.init_distributed(seed=1)
         class Model(DistributedModule):
@@ -220,7 +220,7 @@ def test_block_follows_bmtrain() -> None:
 
 
 def test_nn_parallel_layers_refuse() -> None:
-    import bmtwrap.nn as bnn
+    import bmtwrap.bmtrain.nn as bnn
     for name in ("ColumnParallelLinear", "RowParallelLinear", "VPEmbedding"):
         with pytest.raises(NotImplementedError, match=r"no tensor parallelism .* use "):
             getattr(bnn, name)(8, 8)
@@ -230,7 +230,7 @@ def test_nn_parallel_layers_refuse() -> None:
 
 def test_bmtrain_module_paths() -> None:
     _run("""
-        from bmtwrap.compat import install_bmtrain_alias
+        from bmtwrap.bmtrain.compat import install_bmtrain_alias
         install_bmtrain_alias()
         import torch, bmtwrap
         import bmtrain as bmt
@@ -242,11 +242,12 @@ def test_bmtrain_module_paths() -> None:
         from bmtrain.optim import optim_manager
         from bmtrain.zero_context import ZeroContext as Z2
         import bmtrain.loss._function as F, bmtrain.debug, bmtrain.distributed, bmtrain.nn
-        assert ZeroContext is CheckpointBlockContext is Z2 is bmtwrap.zero_context.ZeroContext
+        assert ZeroContext is CheckpointBlockContext is Z2 is bmtwrap.bmtrain.zero_context.ZeroContext
         assert PipelineTransformerBlockList is bmtwrap.PipelineTransformerBlockList
         assert gather_result is bmtwrap.gather_result and optim_manager.OptimManager is bmtwrap.optim.OptimManager
-        assert bmtrain.nn.Linear is bmtwrap.nn.Linear and bmtrain.distributed.all_reduce is bmtwrap.distributed.all_reduce
-        assert bmt.debug.set is bmtwrap.debug.set and round_up(5, 4) == 8 and not is_initialized()
+        assert bmtrain.nn.Linear is bmtwrap.bmtrain.nn.Linear
+        assert bmtrain.distributed.all_reduce is bmtwrap.bmtrain.distributed.all_reduce
+        assert bmt.debug.set is bmtwrap.bmtrain.debug.set and round_up(5, 4) == 8 and not is_initialized()
         flag = torch.zeros((), dtype=torch.uint8)
         F.has_inf_nan(torch.tensor([1.0, 2.0]), flag)
         assert flag.item() == 0

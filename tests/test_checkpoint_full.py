@@ -136,7 +136,7 @@ def test_transformers_reads_the_saved_safetensors(saved, folder):
 
 @pytest.fixture(scope="module")
 def world():
-    if not bmt.dist.is_initialized():
+    if not bmt.engine.dist.is_initialized():
         bmt.init_distributed(seed=0)
 
 

@@ -32,7 +32,7 @@ FULL_FIX = "restore the file from an intact copy, or save it again"
 
 @pytest.fixture(scope="module")
 def world():
-    if not bmt.dist.is_initialized():
+    if not bmt.engine.dist.is_initialized():
         bmt.init_distributed(seed=0)
 
 

@@ -184,7 +184,7 @@ def test_several_files_per_rank(resumed):
 
 @pytest.fixture(scope="module")
 def world():
-    if not bmt.dist.is_initialized():
+    if not bmt.engine.dist.is_initialized():
         bmt.init_distributed(seed=0)
 
 

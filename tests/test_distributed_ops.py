@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-import bmtwrap.dist
+import bmtwrap.engine.dist
 from bmtwrap import distributed as D
 from launch import run_cases
 
@@ -97,7 +97,7 @@ BEFORE_INIT = {"all_gather": lambda x: D.all_gather(x), "all_reduce": lambda x: 
 
 @pytest.mark.parametrize("name", BEFORE_INIT)
 def test_before_init_distributed(monkeypatch, name):
-    monkeypatch.setattr(bmtwrap.dist, "_CONTEXT", None)  # bmtwrap as it is before init_distributed()
+    monkeypatch.setattr(bmtwrap.engine.dist, "_CONTEXT", None)  # bmtwrap as it is before init_distributed()
     with pytest.raises(RuntimeError, match=r"call bmtwrap.init_distributed\(\)"):
         BEFORE_INIT[name](torch.ones(2))
 

@@ -20,27 +20,27 @@ import torch
 from torch import nn
 
 import bmtwrap as bmt
-import bmtwrap.dist
-from bmtwrap.schedule import engine
+import bmtwrap.engine.dist
+from bmtwrap.engine.schedule import engine
 
 
 @pytest.fixture(scope="module", autouse=True)
 def world_of_one():
     """One process group for the whole module; torn down only if this module made it."""
-    made_here = not bmtwrap.dist.is_initialized()
+    made_here = not bmtwrap.engine.dist.is_initialized()
     ctx = bmt.init_distributed(seed=0)
     assert ctx.world_size == 1 and ctx.rank == 0
     yield ctx
     if made_here:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-        bmtwrap.dist._CONTEXT = None
+        bmtwrap.engine.dist._CONTEXT = None
 
 
 @pytest.fixture
 def uninitialised(monkeypatch):
     """bmtwrap as it is before init_distributed(); the context comes back after the test."""
-    monkeypatch.setattr(bmtwrap.dist, "_CONTEXT", None)
+    monkeypatch.setattr(bmtwrap.engine.dist, "_CONTEXT", None)
 
 
 def mlp(seed: int, dim: int = 4) -> nn.Module:
@@ -85,7 +85,7 @@ def test_init_distributed_rejects_unknown_backend():
 def test_init_distributed_nccl_without_cuda(uninitialised):
     with pytest.raises(ValueError, match=r"backend='nccl' needs CUDA"):
         bmt.init_distributed(seed=0, backend="nccl")
-    assert bmtwrap.dist._CONTEXT is None
+    assert bmtwrap.engine.dist._CONTEXT is None
 
 
 def test_init_distributed_twice_warns_and_keeps_context(world_of_one):
@@ -100,7 +100,7 @@ def test_init_distributed_on_a_group_made_before_warns_only_for_another_timeout(
         warnings.simplefilter("error")
         same = bmt.init_distributed(seed=0, timeout=1800)
     assert same.timeout == datetime.timedelta(minutes=30)
-    bmtwrap.dist._CONTEXT = None  # adopt it again (the fixture restores the module's context)
+    bmtwrap.engine.dist._CONTEXT = None  # adopt it again (the fixture restores the module's context)
     with pytest.warns(UserWarning, match=r"init_distributed\(timeout=60 s\) has no effect: torch.distributed was "
                                          r"initialised before, with a timeout of 1800 s; pass the timeout to "
                                          r"init_process_group instead"):
@@ -115,7 +115,7 @@ import bmtwrap as bmt
 group = weakref.ref(bmt.init_distributed(seed=0).group)
 dist.destroy_process_group()
 gc.collect()
-print("GROUP_ALIVE" if group() is not None else "GROUP_FREED", bmt.dist.is_initialized())
+print("GROUP_ALIVE" if group() is not None else "GROUP_FREED", bmt.engine.dist.is_initialized())
 """
 
 
@@ -158,7 +158,7 @@ def test_helpers_before_init_distributed(uninitialised, call):
 
 
 def test_context_restored_after_uninitialised_tests(world_of_one):
-    assert bmtwrap.dist._CONTEXT is world_of_one
+    assert bmtwrap.engine.dist._CONTEXT is world_of_one
     assert bmt.rank() == 0 and bmt.world_size() == 1
 
 

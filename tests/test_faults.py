@@ -4,7 +4,7 @@ The multi-process tests launch 3 ranks (2 for one of the out-of-memory jobs) of 
 RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT/LOCAL_RANK, around a TCPStore that this process hosts, as
 torchrun's agent does (``TORCHELASTIC_USE_AGENT_STORE=True``). Not under torchrun itself: its agent
 would kill the survivors of a failed worker before they could fail on their own, which is what is
-tested here. The unit tests drive a :class:`bmtwrap.watchdog.Watchdog` against a HashStore in which
+tested here. The unit tests drive a :class:`bmtwrap.engine.watchdog.Watchdog` against a HashStore in which
 the other ranks' records are written by hand.
 """
 
@@ -25,8 +25,8 @@ import pytest
 import torch.distributed as dist
 
 import bmtwrap as bmt
-import bmtwrap.watchdog
-from bmtwrap.watchdog import CompletionWatch, RankRecord, Watchdog
+import bmtwrap.engine.watchdog
+from bmtwrap.engine.watchdog import CompletionWatch, RankRecord, Watchdog
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -357,7 +357,7 @@ def test_the_heartbeat_stops_when_the_group_goes_and_says_so():
 def test_a_collective_stuck_on_nccl_is_reported_before_the_timeout_then_ends_the_process(capfd, monkeypatch):
     ended = threading.Event()
     monkeypatch.setattr(Watchdog, "_end_process", staticmethod(lambda code: ended.set()))
-    monkeypatch.setattr(bmtwrap.watchdog, "EXIT_GRACE_S", 0.6)
+    monkeypatch.setattr(bmtwrap.engine.watchdog, "EXIT_GRACE_S", 0.6)
     store = dist.HashStore()
     dog = Watchdog(store, 0, 2, datetime.timedelta(seconds=0.4), interval=0.05, alive=lambda: True)
     dog._completion = CompletionWatch(marker=lambda: lambda: False)  # never completes: it waits for a dead peer
@@ -425,5 +425,5 @@ def test_init_distributed_rejects_a_bad_timeout(timeout, error, message):
 
 
 def test_default_timeout_is_documented():
-    assert bmt.dist.DEFAULT_TIMEOUT == datetime.timedelta(minutes=30)
+    assert bmt.engine.dist.DEFAULT_TIMEOUT == datetime.timedelta(minutes=30)
     assert "30 minutes" in bmt.init_distributed.__doc__

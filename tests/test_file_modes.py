@@ -22,7 +22,7 @@ from bmtwrap.checkpoint.io import atomic_file, default_file_mode
 
 @pytest.fixture(scope="module")
 def world():
-    if not bmt.dist.is_initialized():
+    if not bmt.engine.dist.is_initialized():
         bmt.init_distributed(seed=0)
 
 

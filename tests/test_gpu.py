@@ -146,7 +146,7 @@ def _llama_steps(checkpoint, max_gpu_memory=None, steps=6):
     import transformers
 
     import bmtwrap as bmt
-    from bmtwrap.memory import CudaGauge
+    from bmtwrap.engine.memory import CudaGauge
     from bmtwrap.wrap.convert import wrapped_record
 
     config = transformers.LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,

@@ -11,7 +11,7 @@ import bmtwrap as bmt
 
 @pytest.fixture(scope="module", autouse=True)
 def world():
-    if not bmt.dist.is_initialized():
+    if not bmt.engine.dist.is_initialized():
         bmt.init_distributed(seed=0)
 
 
@@ -59,7 +59,7 @@ def test_only_offloaded_shards_may_sit_on_the_cpu_beside_a_gpu():
     """The device rule on its own (it reads only each parameter's .device and the shard registry), so that a
     machine without a GPU checks it too: a stand-in for a GPU parameter beside offloaded shards passes,
     beside a plain CPU parameter it fails."""
-    from bmtwrap.optim.adam import _check_params
+    from bmtwrap.optim.adam_state import _check_params
 
     class OnGPU:
         device = torch.device("cuda", 0)
@@ -179,7 +179,7 @@ def test_automatic_offload_fraction_without_a_gpu_keeps_everything_on_the_cpu():
 
 
 def test_host_available_memory_is_read_from_meminfo(tmp_path):
-    from bmtwrap.offload import host_available_bytes
+    from bmtwrap.engine.offload import host_available_bytes
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       131072000 kB\nMemFree:         1000 kB\nMemAvailable:   125000000 kB\n")
     assert host_available_bytes(str(meminfo)) == 125000000 * 1024
@@ -191,7 +191,7 @@ def test_host_available_memory_is_read_from_meminfo(tmp_path):
 def test_automatic_fraction_refuses_state_the_host_cannot_hold():
     """offload_fraction='auto' raises before making host state larger than the host's available memory,
     naming both sizes and what to change; it is silent when the state fits or the memory is unknown."""
-    from bmtwrap.optim.adam import _check_host_room
+    from bmtwrap.optim.adam_offload import _check_host_room
     _check_host_room(10 << 30, 11 << 30, 0)
     _check_host_room(10 << 30, None, 0)
     with pytest.raises(MemoryError, match=r"the CPU\) needs 100\.0 GiB, but the host has 90\.0 GiB available \(the GPU keeps "
@@ -208,7 +208,7 @@ def test_automatic_fraction_refuses_state_the_host_cannot_hold():
 def test_expandable_segments_unless_the_allocator_is_configured(monkeypatch, env, value, expected, sets):
     """The optimizer that fills the card turns on expandable segments, but never overrides a configuration
     the user gave."""
-    from bmtwrap.offload import expandable_segments
+    from bmtwrap.engine.offload import expandable_segments
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     if env is not None:
@@ -220,7 +220,7 @@ def test_expandable_segments_unless_the_allocator_is_configured(monkeypatch, env
 
 
 def test_expandable_segments_refused_by_the_backend(monkeypatch):
-    from bmtwrap.offload import expandable_segments
+    from bmtwrap.engine.offload import expandable_segments
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
 

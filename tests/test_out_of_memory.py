@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import bmtwrap as bmt
-from bmtwrap.memory import format_bytes, parse_bytes
+from bmtwrap.engine.memory import format_bytes, parse_bytes
 from fake_gauge import GIB, FakeGauge
 from launch import run_cases
 from test_wrap import tiny_llama
@@ -40,7 +40,7 @@ def test_sizes_format():
 def _train(monkeypatch, gauge, steps=3, **options):
     monkeypatch.setattr(auto, "gauge_for", lambda device: gauge)
     model = bmt.wrap(tiny_llama(num_hidden_layers=4), checkpoint="auto", **options)
-    record = bmt.schedule.engine().wrapped_record(model)
+    record = bmt.engine.schedule.engine().wrapped_record(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     ids = torch.randint(0, 64, (2, 8))
     kept = []
@@ -56,7 +56,7 @@ def test_the_decision_waits_for_the_optimizers_first_step(monkeypatch):
     """With gradient accumulation the optimizer's state appears only at its first step: decide after it."""
     monkeypatch.setattr(auto, "gauge_for", lambda device: FakeGauge())
     model = bmt.wrap(tiny_llama(num_hidden_layers=4), checkpoint="auto")
-    record = bmt.schedule.engine().wrapped_record(model)
+    record = bmt.engine.schedule.engine().wrapped_record(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     ids = torch.randint(0, 64, (2, 8))
     for _ in range(3):  # three micro-batches of one step
@@ -90,7 +90,7 @@ def test_a_step_near_the_limit_gives_memory_back(monkeypatch):
     gauge = FakeGauge()
     monkeypatch.setattr(auto, "gauge_for", lambda device: gauge)
     model = bmt.wrap(tiny_llama(num_hidden_layers=4), checkpoint="auto")
-    record = bmt.schedule.engine().wrapped_record(model)
+    record = bmt.engine.schedule.engine().wrapped_record(model)
     ids = torch.randint(0, 64, (2, 8))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
 

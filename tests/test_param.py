@@ -1,4 +1,4 @@
-"""Unit tests of the shard arithmetic (bmtwrap/param.py): no process group needed.
+"""Unit tests of the shard arithmetic (bmtwrap/engine/param.py): no process group needed.
 
 [Note: what a layout must guarantee]
 For a layout of parameters with ``numels`` over ``world_size`` ranks, with ``align`` elements =
@@ -20,7 +20,7 @@ from typing import List, Sequence
 import pytest
 import torch
 
-from bmtwrap.param import ALIGN_BYTES, FlatLayout, LocalPiece, build_layout
+from bmtwrap.engine.param import ALIGN_BYTES, FlatLayout, LocalPiece, build_layout
 
 ELEMENT_SIZES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 

@@ -1,4 +1,4 @@
-"""The exact-size pinned host memory of offloaded shards (bmtwrap.offload.PinnedPool), on the CPU.
+"""The exact-size pinned host memory of offloaded shards (bmtwrap.engine.offload.PinnedPool), on the CPU.
 
 cudaHostRegister needs a GPU, so here it is replaced by a recorder: these tests check the pool's
 bookkeeping (exact sizes, reuse only after a tensor's memory is freed, views keeping it alive). On a GPU,
@@ -10,7 +10,7 @@ import gc
 import pytest
 import torch
 
-from bmtwrap import offload
+from bmtwrap.engine import offload
 
 
 class FakeCudart:

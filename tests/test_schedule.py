@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bmtwrap.schedule import Engine, Schedule, TrainingState, in_backward
+from bmtwrap.engine.schedule import Engine, Schedule, TrainingState, in_backward
 
 
 def _block(name):

@@ -14,7 +14,7 @@ import bmtwrap as bmt
 
 @pytest.fixture(scope="module", autouse=True)
 def world():
-    if not bmt.dist.is_initialized():
+    if not bmt.engine.dist.is_initialized():
         bmt.init_distributed(seed=0)
 
 
@@ -190,7 +190,7 @@ def test_load_state_dict_lists_problems_and_changes_nothing():
 
 def test_auto_checkpoint_falls_back_to_checkpointing_on_cpu():
     model = bmt.wrap(tiny_llama(), checkpoint="auto")
-    record = bmt.schedule.engine().wrapped[id(model)]
+    record = bmt.engine.schedule.engine().wrapped[id(model)]
     assert all(runner.recompute for _, runner in record.runners)
 
 

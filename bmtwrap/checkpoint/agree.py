@@ -11,7 +11,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
-from ..dist import DistContext
+from ..engine.dist import DistContext
 
 __all__: List[str] = []  # private to the checkpoint package
 

@@ -69,9 +69,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dist import DistContext
-from ..group import FlatBuffer
-from ..schedule import engine
+from ..engine.dist import DistContext
+from ..engine.group import FlatBuffer
+from ..engine.schedule import engine
 from ..wrap.materialize import restore_buffers
 from .full_format import (
     SAFETENSORS_SUFFIX,

@@ -21,7 +21,7 @@ from typing import TypeVar
 
 import torch
 
-from ..group import ParamSlot
+from ..engine.group import ParamSlot
 from .checksum import (
     CHUNK_BYTES,
     ChunkVerifier,

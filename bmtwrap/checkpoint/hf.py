@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple, Type
 import torch
 from torch import nn
 
-from .. import dist as _dist
+from ..engine import dist as _dist
 from ..wrap import materialize, wrap
 from ..wrap.materialize import restore_buffers
 from .hf_export import save_pretrained

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import dist as _dist
-from ..group import FlatBuffer
+from ..engine import dist as _dist
+from ..engine.group import FlatBuffer
 from .hf_keys import (
     INDEX_NAME,
     WEIGHTS_NAME,

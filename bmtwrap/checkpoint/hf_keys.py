@@ -26,9 +26,9 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 from torch import nn
 
-from .. import dist as _dist
-from ..group import FlatBuffer, ParamSlot
-from ..schedule import engine
+from ..engine import dist as _dist
+from ..engine.group import FlatBuffer, ParamSlot
+from ..engine.schedule import engine
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"

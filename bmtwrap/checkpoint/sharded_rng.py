@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..dist import DistContext
+from ..engine.dist import DistContext
 from .sharded_format import _encode, _RankPart, _ShardReader
 
 __all__: List[str] = []  # private to the checkpoint package: sharded.py is the public side

@@ -1,7 +1,7 @@
 """OffloadQueue: Adam updates of parameter shards run on the CPU by a C++ worker thread, with the gradient
 and parameter copies of GPU shards (csrc/cpu/offload.cpp, csrc/cuda/offload_link.cu).
 
-What is offloaded, the host memory it lives in and the staging sizes are ``bmtwrap.offload``'s; this
+What is offloaded, the host memory it lives in and the staging sizes are ``bmtwrap.engine.offload``'s; this
 module is only the queue's checked entry point into the extension.
 """
 

@@ -1,6 +1,7 @@
 """Optimizers and the optimizer manager."""
 
-from .adam import AdamOffloadOptimizer, AdamOptimizer
+from .adam import AdamOptimizer
+from .adam_offload import AdamOffloadOptimizer
 from .nonfinite import NonFiniteGradientError
 from .optim_manager import OptimManager
 

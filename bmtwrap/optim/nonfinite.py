@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from ..dist import is_initialized
-from ..group import ROOT_LABEL
-from ..schedule import engine
+from ..engine.dist import is_initialized
+from ..engine.group import ROOT_LABEL
+from ..engine.schedule import engine
 
 __all__ = ["NONFINITE_CHOICES", "NonFiniteGradientError", "any_nonfinite", "check_choice", "describe_nonfinite"]
 

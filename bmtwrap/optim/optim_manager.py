@@ -9,7 +9,7 @@ from typing import Any, Dict, Iterable, List, Optional, Protocol
 import torch
 import torch.distributed as dist
 
-from ..schedule import engine
+from ..engine.schedule import engine
 from .nonfinite import NonFiniteGradientError, any_nonfinite, check_choice, describe_nonfinite
 
 __all__ = ["OptimManager", "ScaledStep", "grad_norm"]

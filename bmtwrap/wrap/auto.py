@@ -35,10 +35,10 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from .. import dist as _dist
-from ..memory import Gauge, format_bytes, gauge_for, margin_bytes
-from ..runners import BlockRunner, RootRunner
-from ..schedule import engine
+from ..engine import dist as _dist
+from ..engine.memory import Gauge, format_bytes, gauge_for, margin_bytes
+from ..engine.runners import BlockRunner, RootRunner
+from ..engine.schedule import engine
 
 __all__ = ["AutoRecompute", "WATCH_STEPS"]
 

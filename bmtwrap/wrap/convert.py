@@ -3,7 +3,7 @@
 [Note: what wrap changes]
 - Each block module keeps its class, name and place in the tree; its ``forward`` attribute is set
   on the instance to a function that runs the original forward through a
-  :class:`~bmtwrap.runners.BlockRunner` (gather, checkpoint, reduce). ``state_dict()`` keys,
+  :class:`~bmtwrap.engine.runners.BlockRunner` (gather, checkpoint, reduce). ``state_dict()`` keys,
   ``isinstance`` and every other method are unchanged.
 - Every parameter object stays the same Python object; its ``.data`` becomes a 1-D view of this
   rank's piece. So an optimizer built after ``wrap`` sees the shards, and one built before but not
@@ -32,14 +32,14 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .. import dist as _dist
-from ..full_state import register_full_state_dict, shard_full_tensors
-from ..group import ROOT_LABEL
-from ..memory import parse_bytes
-from ..offload import OffloadPolicy, expandable_segments
-from ..runners import BlockModule, BlockRunner, RootRunner
-from ..shard import build_group, unshard_group
-from ..schedule import engine
+from ..engine import dist as _dist
+from ..engine.full_state import register_full_state_dict, shard_full_tensors
+from ..engine.group import ROOT_LABEL
+from ..engine.memory import parse_bytes
+from ..engine.offload import OffloadPolicy, expandable_segments
+from ..engine.runners import BlockModule, BlockRunner, RootRunner
+from ..engine.shard import build_group, unshard_group
+from ..engine.schedule import engine
 from .adapters import ModelAdapter, adapter_for
 from .auto import AutoRecompute, auto_recompute
 from .detect import LayerPolicy

@@ -15,7 +15,7 @@ Nested candidates resolve to the outermost one (a decoder layer, not the experts
 A block is a module that is called: containers without a forward of their own (``nn.ModuleList``,
 ``nn.ModuleDict``) are never chosen; their children are. A module that is chosen but then only
 iterated, or whose parameters other code reads, still works: see [Note: parameters used outside
-their block] in ``bmtwrap/on_demand.py``.
+their block] in ``bmtwrap/engine/on_demand.py``.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from typing import Dict, Iterator, List, Set, Tuple
 import torch
 from torch import nn
 
-from ..group import ParamGroup
+from ..engine.group import ParamGroup
 from .convert import StaleBuffer, Wrapped, wrapped_record
 
 __all__ = ["materialize", "restore_buffers"]

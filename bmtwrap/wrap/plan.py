@@ -38,9 +38,9 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Set, Tuple, Union
 import torch
 from torch import nn
 
-from ..memory import margin_bytes, outside_allocator_estimate
-from ..offload import DEFAULT_CHUNK_NUMEL, DEFAULT_SLOTS, adam_state_bytes
-from ..param import build_layout
+from ..engine.memory import margin_bytes, outside_allocator_estimate
+from ..engine.offload import DEFAULT_CHUNK_NUMEL, DEFAULT_SLOTS, adam_state_bytes
+from ..engine.param import build_layout
 from .detect import LayerPolicy, find_blocks
 
 __all__ = ["GroupPlan", "MemoryEstimate", "OffloadOptions", "WrapPlan", "make_plan"]

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import bmtwrap as bmt
-from bmtwrap.group import ShardState
-from bmtwrap.schedule import engine
+from bmtwrap.engine.group import ShardState
+from bmtwrap.engine.schedule import engine
 from common import flat_buffers, max_abs_diff, max_rel, run
 from gpt_model import GPT, ShardedGPT
 
@@ -351,7 +351,7 @@ def zero_context() -> Dict[str, Any]:
         inside = torch.equal(block.up.weight, ref.up.weight) and block.down.bias.shape == ref.down.bias.shape
     after = block.up.weight.dim() == 1
     released = not block.runner.group.gathered
-    from bmtwrap.compat import install_bmtrain_alias
+    from bmtwrap.bmtrain.compat import install_bmtrain_alias
     install_bmtrain_alias()
     from bmtrain.block_layer import CheckpointBlockContext  # noqa: F401  (BMTrain 0.2's name)
     return {"inside": inside, "after": after, "released": released,

@@ -27,7 +27,7 @@ from torch import nn
 
 import bmtwrap as bmt
 import bmtwrap.checkpoint.full_format as full_format
-from bmtwrap.group import ShardState
+from bmtwrap.engine.group import ShardState
 from common import flat_buffers, run
 from gpt_model import GPT, ShardedGPT
 

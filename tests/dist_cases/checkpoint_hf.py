@@ -24,8 +24,8 @@ from safetensors.torch import load_file, save_file
 
 import bmtwrap as bmt
 from bmtwrap.checkpoint import hf, hf_export
-from bmtwrap.dist import current
-from bmtwrap.schedule import engine
+from bmtwrap.engine.dist import current
+from bmtwrap.engine.schedule import engine
 from common import run
 
 ROOT = Path(sys.argv[2])

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 import bmtwrap as bmt
 from bmtwrap.checkpoint.sharded import load_checkpoint, save_checkpoint
-from bmtwrap.schedule import engine
+from bmtwrap.engine.schedule import engine
 from common import run
 from gpt_model import ShardedGPT
 

@@ -50,7 +50,7 @@ def max_abs_diff(full: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor]) ->
 
 def flat_buffers(model: torch.nn.Module) -> list:
     """The distinct flat buffers holding the model's parameters, in parameter order."""
-    from bmtwrap.schedule import engine
+    from bmtwrap.engine.schedule import engine
 
     eng = engine()
     buffers: list = []

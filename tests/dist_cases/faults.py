@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import bmtwrap as bmt
-from bmtwrap.schedule import in_backward
+from bmtwrap.engine.schedule import in_backward
 
 MODE, VICTIM, TIMEOUT = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 CHECK = len(sys.argv) > 4 and sys.argv[4] == "check"

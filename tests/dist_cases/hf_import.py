@@ -30,7 +30,7 @@ import transformers as tf
 from torch import nn
 
 import bmtwrap as bmt
-from bmtwrap.dist import current
+from bmtwrap.engine.dist import current
 from common import run
 from zoo import HF_CASES, Case, hf_causal, tokens
 

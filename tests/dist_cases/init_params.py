@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import bmtwrap as bmt
-from bmtwrap.schedule import engine
+from bmtwrap.engine.schedule import engine
 from common import run
 
 BUILD_SEED = 4321  # RNG state while the model is built (only the plain nn.Linear layers draw from it)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 import bmtwrap as bmt
 import module_tree_gen as gen
-from bmtwrap.dist import current as current_context
+from bmtwrap.engine.dist import current as current_context
 from worker_group import serve
 
 STEPS = 3

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import bmtwrap as bmt
-from bmtwrap.schedule import engine
+from bmtwrap.engine.schedule import engine
 from common import run
 from fake_gauge import FakeGauge
 

@@ -139,7 +139,7 @@ def offload_matches_adam(other: str, offload_params: bool = False, dtype: torch.
     results = []
     split = []  # per run, the parameters whose master is split with them
     host_elements = []  # elements of optimizer state made in host memory
-    import bmtwrap.optim.adam as adam_module
+    import bmtwrap.optim.adam_offload as adam_module
     made_on_host = adam_module.host_zeros
 
     def counted(numel: int) -> torch.Tensor:
@@ -232,7 +232,7 @@ def eval_no_grad() -> Dict[str, Any]:
 def offload_params_pinned_exactly() -> Dict[str, Any]:
     """wrap(offload_params=True) on a GPU: every offloaded shard is page-locked host memory of its exact size,
     and the gradients' host memory is reused from step to step (the pool stops growing after the first steps)."""
-    from bmtwrap.offload import PINNED
+    from bmtwrap.engine.offload import PINNED
     before = PINNED.bytes_in_use()
     _, model = build(DTYPE, offload_params=True)
     built = PINNED.bytes_in_use() - before
@@ -256,7 +256,7 @@ def offload_grads_wait_on_host() -> Dict[str, Any]:
     """GPU, step_in_backward: a block's gradient handed to the CPU waits in page-locked host memory, not on
     the GPU; the host memory is reused from step to step; training equals the fused optimizer's (the
     ``offload_in_backward_matches_adam`` case)."""
-    from bmtwrap.offload import PINNED
+    from bmtwrap.engine.offload import PINNED
     _, model = build(DTYPE)
     opt = OPTIMIZERS["offload_in_backward"](model.parameters())
     data = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(9)).to(DEVICE)

@@ -70,7 +70,7 @@ import transformers as tf
 from torch import nn
 
 import bmtwrap as bmt
-from bmtwrap.dist import current as current_context
+from bmtwrap.engine.dist import current as current_context
 from common import run
 
 try:

@@ -49,7 +49,7 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 
 class AttachedEngine(Protocol):
-    """What the context knows of the engine it carries: :class:`bmtwrap.schedule.Engine`.
+    """What the context knows of the engine it carries: :class:`bmtwrap.engine.schedule.Engine`.
 
     Declared here because the engine's module sits above this one and imports it.
     """
@@ -72,14 +72,14 @@ class DistContext:
         timeout: how long a collective of ``group`` may wait for the slowest rank: the ``timeout``
             given to :func:`init_distributed`, or the group's own where the program made it.
         engine: the engine's run-time state (execution order, pending reductions), created on
-            first use by :mod:`bmtwrap.schedule`; ``None`` until then.
-        inspector: the ``bmtwrap.inspect.inspect_tensor()`` record being taken, if any (see
-            [Note: the active inspector] in ``bmtwrap/inspect/tensor.py``).
+            first use by :mod:`bmtwrap.engine.schedule`; ``None`` until then.
+        inspector: the ``bmtwrap.bmtrain.inspect.inspect_tensor()`` record being taken, if any (see
+            [Note: the active inspector] in ``bmtwrap/bmtrain/inspect/tensor.py``).
         copy_streams: CUDA streams for copies between host and device beside the computation,
             by direction (see :meth:`copy_stream`).
-        debug_values: what the program stored with ``bmtwrap.debug.set`` (BMTrain's debug store).
+        debug_values: what the program stored with ``bmtwrap.bmtrain.debug.set`` (BMTrain's debug store).
         watchdog: the heartbeat that names the rank at fault when a collective fails (see
-            ``bmtwrap/watchdog.py``); ``None`` in a world of one.
+            ``bmtwrap/engine/watchdog.py``); ``None`` in a world of one.
     """
 
     rank: int
@@ -210,7 +210,7 @@ def init_distributed(
             to write a consolidated checkpoint of a large model while the others wait, and for the
             first NCCL collective of a large job. When a rank dies or stops taking part, the others
             raise :class:`bmtwrap.CollectiveError` within it (a dead rank that breaks a connection:
-            at once), naming the rank and the operation (see ``bmtwrap/watchdog.py``). When
+            at once), naming the rank and the operation (see ``bmtwrap/engine/watchdog.py``). When
             ``torch.distributed`` was initialised by the caller, the group's own timeout applies,
             with a warning if it differs from this one.
         check_collectives: a debugging aid: before each of the engine's collectives the ranks

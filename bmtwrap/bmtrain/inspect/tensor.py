@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from .. import dist as _dist
+from ...engine import dist as _dist
 
 __all__ = ["InspectTensor", "inspect_tensor", "record_tensor"]
 

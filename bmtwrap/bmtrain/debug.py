@@ -1,6 +1,6 @@
 """BMTrain's ``bmt.debug``: a key-value store a program fills while it runs and reads back later.
 
-The values live on this process's context (:class:`bmtwrap.dist.DistContext`), so the store needs
+The values live on this process's context (:class:`bmtwrap.engine.dist.DistContext`), so the store needs
 :func:`bmtwrap.init_distributed` first. Tensors are stored detached, on the CPU.
 """
 
@@ -10,7 +10,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from . import dist as _dist
+from ..engine import dist as _dist
 
 __all__ = ["append", "clear", "extend", "get", "set"]
 

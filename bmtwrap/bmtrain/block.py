@@ -1,7 +1,7 @@
 """Block: BMTrain's module wrapper that runs one module as a ZeRO block.
 
 The engine's side (gather, prefetch, checkpointing, gradient reduction) is
-:class:`~bmtwrap.runners.BlockRunner` (see [Note: block lifetime in a step] in runners.py); this
+:class:`~bmtwrap.engine.runners.BlockRunner` (see [Note: block lifetime in a step] in runners.py); this
 file adds what BMTrain programs see: a module holding the wrapped one, a name per block,
 state-dict keys without the ``_module.`` level, attributes read through to the inner module, and
 BMTrain's sharing rules.
@@ -26,10 +26,10 @@ from typing import Any, Dict, Optional
 import torch
 from torch import nn
 
-from .full_state import register_full_state_dict, shard_full_tensors
-from .offload import OffloadPolicy
-from .runners import BlockModule, BlockRunner
-from .schedule import engine
+from ..engine.full_state import register_full_state_dict, shard_full_tensors
+from ..engine.offload import OffloadPolicy
+from ..engine.runners import BlockModule, BlockRunner
+from ..engine.schedule import engine
 
 __all__ = ["Block", "BlockSharingError", "CheckpointBlock"]
 

@@ -1,7 +1,7 @@
 """``bmt.config``: BMTrain's global settings mapping, as a read-only view of the process context.
 
 BMTrain keeps its settings in a module-level dict filled by ``init_distributed``. bmtwrap keeps
-one :class:`~bmtwrap.dist.DistContext` instead; :data:`config` reads it on every lookup, so it
+one :class:`~bmtwrap.engine.dist.DistContext` instead; :data:`config` reads it on every lookup, so it
 holds no state of its own and can never disagree with :func:`bmtwrap.rank` and the others.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, Iterator
 
-from . import dist as _dist
+from ..engine import dist as _dist
 
 __all__ = ["ConfigView", "config"]
 

@@ -19,46 +19,47 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-from . import ops
+from .. import ops
 
 __all__ = ["has_inf_nan", "install_bmtrain_alias"]
 
 # BMTrain's module path -> bmtwrap's module whose names stand in for it.
 _ALIASES: Mapping[str, str] = MappingProxyType({
     "bmtrain": "bmtwrap",
-    "bmtrain.block_layer": "bmtwrap.blocklist",
-    "bmtrain.pipe_layer": "bmtwrap.blocklist",
-    "bmtrain.zero_context": "bmtwrap.zero_context",
-    "bmtrain.global_var": "bmtwrap.config_view",
-    "bmtrain.param_init": "bmtwrap.module",
-    "bmtrain.parameter": "bmtwrap.param",
-    "bmtrain.init": "bmtwrap.dist",
-    "bmtrain.synchronize": "bmtwrap.dist",
-    "bmtrain.utils": "bmtwrap.utils",
-    "bmtrain.debug": "bmtwrap.debug",
-    "bmtrain.inspect": "bmtwrap.inspect",
-    "bmtrain.nccl": "bmtwrap.nccl",
+    "bmtrain.block_layer": "bmtwrap.bmtrain.blocklist",
+    "bmtrain.pipe_layer": "bmtwrap.bmtrain.blocklist",
+    "bmtrain.zero_context": "bmtwrap.bmtrain.zero_context",
+    "bmtrain.global_var": "bmtwrap.bmtrain.config_view",
+    "bmtrain.param_init": "bmtwrap.bmtrain.module",
+    "bmtrain.parameter": "bmtwrap.engine.param",
+    "bmtrain.init": "bmtwrap.engine.dist",
+    "bmtrain.synchronize": "bmtwrap.engine.dist",
+    "bmtrain.utils": "bmtwrap.bmtrain.utils",
+    "bmtrain.debug": "bmtwrap.bmtrain.debug",
+    "bmtrain.inspect": "bmtwrap.bmtrain.inspect",
+    "bmtrain.nccl": "bmtwrap.bmtrain.nccl",
     "bmtrain.store": "bmtwrap.checkpoint",
-    "bmtrain.layer": "bmtwrap.module",
-    "bmtrain.distributed": "bmtwrap.distributed",
+    "bmtrain.layer": "bmtwrap.bmtrain.module",
+    "bmtrain.distributed": "bmtwrap.bmtrain.distributed",
     "bmtrain.lr_scheduler": "bmtwrap.lr_scheduler",
     "bmtrain.loss": "bmtwrap.loss",
     "bmtrain.loss._function": "bmtwrap.loss",
     "bmtrain.optim": "bmtwrap.optim",
-    "bmtrain.nn": "bmtwrap.nn",
+    "bmtrain.nn": "bmtwrap.bmtrain.nn",
     "bmtrain.wrapper": "bmtwrap.wrap",
 })
 # Names BMTrain's module has that bmtwrap keeps elsewhere: (alias, name) -> (module, name).
 _EXTRA: Mapping[str, Mapping[str, str]] = MappingProxyType({
-    "bmtrain.block_layer": {"CheckpointBlock": "bmtwrap.block", "Block": "bmtwrap.block",
-                            "ZeroContext": "bmtwrap.zero_context", "CheckpointBlockContext": "bmtwrap.zero_context"},
-    "bmtrain.global_var": {"rank": "bmtwrap.dist", "world_size": "bmtwrap.dist"},
-    "bmtrain.init": {"is_initialized": "bmtwrap.dist"},
-    "bmtrain.synchronize": {"gather_result": "bmtwrap.distributed"},
-    "bmtrain.parameter": {"ParameterInitializer": "bmtwrap.initializer"},
-    "bmtrain.utils": {"print_rank": "bmtwrap.dist"},
+    "bmtrain.block_layer": {"CheckpointBlock": "bmtwrap.bmtrain.block", "Block": "bmtwrap.bmtrain.block",
+                            "ZeroContext": "bmtwrap.bmtrain.zero_context",
+                            "CheckpointBlockContext": "bmtwrap.bmtrain.zero_context"},
+    "bmtrain.global_var": {"rank": "bmtwrap.engine.dist", "world_size": "bmtwrap.engine.dist"},
+    "bmtrain.init": {"is_initialized": "bmtwrap.engine.dist"},
+    "bmtrain.synchronize": {"gather_result": "bmtwrap.bmtrain.distributed"},
+    "bmtrain.parameter": {"ParameterInitializer": "bmtwrap.bmtrain.initializer"},
+    "bmtrain.utils": {"print_rank": "bmtwrap.engine.dist"},
     "bmtrain.wrapper": {"BMTrainModelWrapper": "bmtwrap"},
-    "bmtrain.loss._function": {"has_inf_nan": "bmtwrap.compat"},
+    "bmtrain.loss._function": {"has_inf_nan": "bmtwrap.bmtrain.compat"},
 })
 
 
@@ -111,7 +112,7 @@ def install_bmtrain_alias() -> None:
 
     Example::
 
-        from bmtwrap.compat import install_bmtrain_alias
+        from bmtwrap.bmtrain.compat import install_bmtrain_alias
         install_bmtrain_alias()
         import bmtrain as bmt   # bmtwrap's names
     """

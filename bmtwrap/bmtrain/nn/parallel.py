@@ -21,14 +21,15 @@ def _refuse(name: str, instead: str) -> NoReturn:
 
 
 class ColumnParallelLinear:
-    """BMTrain's column-parallel linear layer: raises ``NotImplementedError`` (use :class:`~bmtwrap.nn.Linear`)."""
+    """BMTrain's column-parallel linear layer: raises ``NotImplementedError``
+    (use :class:`~bmtwrap.bmtrain.nn.Linear`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         _refuse("ColumnParallelLinear", "bmt.nn.Linear(in_features, out_features)")
 
 
 class RowParallelLinear:
-    """BMTrain's row-parallel linear layer: raises ``NotImplementedError`` (use :class:`~bmtwrap.nn.Linear`)."""
+    """BMTrain's row-parallel linear layer: raises ``NotImplementedError`` (use :class:`~bmtwrap.bmtrain.nn.Linear`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         _refuse("RowParallelLinear", "bmt.nn.Linear(in_features, out_features)")
@@ -46,5 +47,5 @@ class OpParallelLinear:
 
     @staticmethod
     def apply(*args: Any, **kwargs: Any) -> NoReturn:
-        """Raises ``NotImplementedError``; use :class:`~bmtwrap.nn.OpLinear`."""
+        """Raises ``NotImplementedError``; use :class:`~bmtwrap.bmtrain.nn.OpLinear`."""
         _refuse("OpParallelLinear", "bmt.nn.OpLinear.apply(x, weight, bias)")

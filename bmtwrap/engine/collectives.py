@@ -7,7 +7,7 @@ caller's stream afterwards runs concurrently with it. That is the overlap the en
 
 Each collective is counted and named (``label``: the flat buffer's) by the context's watchdog, so
 that its failure raises :class:`bmtwrap.CollectiveError` naming the operation and the ranks at
-fault (see ``bmtwrap/watchdog.py``); with ``check_collectives`` every rank first checks that all
+fault (see ``bmtwrap/engine/watchdog.py``); with ``check_collectives`` every rank first checks that all
 ranks issue the same one (:func:`agree`).
 """
 

@@ -3,7 +3,7 @@
 Both work on any module and leave the module tree untouched, so the converter uses them in place
 (:func:`bmtwrap.wrap`) and BMTrain's classes wrap them (:class:`bmtwrap.Block`,
 :class:`bmtwrap.DistributedModule`). What to gather when is the schedule's to say
-(:class:`bmtwrap.schedule.Schedule`); the runners issue it.
+(:class:`bmtwrap.engine.schedule.Schedule`); the runners issue it.
 
 [Note: block lifetime in a step]
 forward:  record order → prefetch what the schedule names (own group, next block) → gather own

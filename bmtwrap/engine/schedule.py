@@ -22,7 +22,7 @@ Every gather the engine issues ahead of need is decided here, in :class:`Schedul
 - under ZeRO-3 the block that runs last in forward keeps its parameters until its backward,
   which comes first: releasing and gathering them again would only expose a gather.
 So at most the running block's and one neighbour's groups are being gathered at a time. The
-runners (:mod:`bmtwrap.runners`) issue what the schedule returns, in the order returned.
+runners (:mod:`bmtwrap.engine.runners`) issue what the schedule returns, in the order returned.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional, TextIO
 
 import torch
 
-from . import dist as _dist
+from ..engine import dist as _dist
 
 __all__ = ["AverageRecorder", "print_block", "print_dict", "round_up", "see_memory"]
 

@@ -5,7 +5,7 @@ BMTrain 1.0.1 offers :func:`all_gather`, :func:`all_reduce`, :func:`reduce_scatt
 the gradient back across ranks the way the chain rule asks (an all-gather's gradient is this rank's
 slice; a broadcast's is the sum of every rank's gradient). They are for model code written by hand,
 such as a loss computed over the whole job; the engine's own gathers and reductions live in
-:mod:`bmtwrap.collectives` and are not autograd-aware.
+:mod:`bmtwrap.engine.collectives` and are not autograd-aware.
 
 Every function here must be called by every rank of the group, in the same order, with tensors of
 the same shape and dtype on every rank. CUDA tensors go through NCCL, CPU tensors through gloo; a
@@ -14,7 +14,7 @@ world of one copies locally.
 [Note: comm]
 BMTrain's ``comm`` argument takes one of its own NCCL communicators, which bmtwrap does not have
 (``bmt.config["comm"]`` raises). Here ``comm`` is either ``None``, the whole job's group
-(:attr:`bmtwrap.dist.DistContext.group`), or a ``torch.distributed.ProcessGroup`` (for example made
+(:attr:`bmtwrap.engine.dist.DistContext.group`), or a ``torch.distributed.ProcessGroup`` (for example made
 by ``torch.distributed.new_group``), in which case ranks, the world size and ``broadcast``'s
 ``root`` are counted within that group. Anything else raises ``TypeError``.
 
@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from . import dist as _dist
-from .collectives import all_gather_single, reduce_scatter_single
+from ..engine import dist as _dist
+from ..engine.collectives import all_gather_single, reduce_scatter_single
 
 __all__ = ["all_gather", "all_reduce", "broadcast", "gather_result", "recv_activations", "reduce_scatter",
            "send_activations"]

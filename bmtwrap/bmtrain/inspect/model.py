@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
-from ..full_state import full_grad_dict, full_state_dict
+from ...engine.full_state import full_grad_dict, full_state_dict
 
 __all__ = ["inspect_model"]
 

@@ -1,6 +1,6 @@
 """DistributedModule (BMTrain's base class of hand-written models) and init_parameters.
 
-The root group is the engine's :class:`~bmtwrap.runners.RootRunner` (see [Note: the root group] in
+The root group is the engine's :class:`~bmtwrap.engine.runners.RootRunner` (see [Note: the root group] in
 runners.py); this file decides what the root of a hand-written model holds: its lone
 :class:`~bmtwrap.DistributedParameter` objects (not those a block owns), and its plain parameters
 outside blocks, replicated.
@@ -13,12 +13,12 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .full_state import register_full_state_dict, shard_full_tensors
-from .group import ROOT_LABEL
-from .shard import find_owners, lone_group
-from .param import DistributedParameter
-from .runners import BlockModule, RootRunner
-from .schedule import Engine, TrainingState, engine
+from ..engine.full_state import register_full_state_dict, shard_full_tensors
+from ..engine.group import ROOT_LABEL
+from ..engine.shard import find_owners, lone_group
+from ..engine.param import DistributedParameter
+from ..engine.runners import BlockModule, RootRunner
+from ..engine.schedule import Engine, TrainingState, engine
 
 __all__ = ["DistributedModule", "grouped_parameters", "init_parameters"]
 

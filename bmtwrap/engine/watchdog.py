@@ -245,7 +245,7 @@ class Watchdog:
         rank, world_size: this process's place in the default group.
         timeout: the collectives' timeout (for messages, and the NCCL report's deadline).
         check_collectives: whether the engine's collectives first check that every rank issues the
-            same operation (see :func:`bmtwrap.collectives.agree`).
+            same operation (see :func:`bmtwrap.engine.collectives.agree`).
         watch_completion: whether ``wait()`` leaves the host running (NCCL): then a
             :class:`CompletionWatch` follows the collectives waited for, and the thread reports those
             stuck shortly before ``timeout`` and ends the process ``EXIT_GRACE_S`` after it.

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..module import DistributedModule
-from ..param import DistributedParameter
+from ...engine.param import DistributedParameter
 
 __all__ = ["Linear", "OpLinear"]
 

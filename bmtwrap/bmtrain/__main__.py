@@ -1,7 +1,7 @@
 """Run a BMTrain program unchanged on bmtwrap: ``python -m bmtwrap.bmtrain program.py [args...]``.
 
 The program's ``import bmtrain`` (and BMTrain's submodule paths) then give bmtwrap's objects (see
-:func:`bmtwrap.compat.install_bmtrain_alias`). Under a launcher, name this module instead of the
+:func:`bmtwrap.bmtrain.compat.install_bmtrain_alias`). Under a launcher, name this module instead of the
 program: ``torchrun --nproc_per_node=8 -m bmtwrap.bmtrain train.py --lr 1e-4``.
 """
 

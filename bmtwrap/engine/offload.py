@@ -46,7 +46,7 @@ def adam_state_bytes(dtype: torch.dtype, offloaded: bool = False) -> int:
     """Bytes per element of Adam's state for a parameter of ``dtype``: two fp32 moments, plus an fp32
     master for a 16-bit parameter (an fp32 one is its own master). Beside a bf16 parameter (state on its
     own device, not ``offloaded``) the master takes 2 bytes: the parameter holds its other half (see
-    [Note: mixed precision] in ``optim/adam.py``)."""
+    [Note: mixed precision] in ``optim/adam_state.py``)."""
     if dtype == torch.float32:
         return 8
     return 10 if dtype == torch.bfloat16 and not offloaded else 12
