@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,7 +59,9 @@ def test_config_reads_the_context() -> None:
         assert (c["rank"], c["world_size"], c["local_rank"], c["zero_level"]) == (0, 1, 0, 2)
         assert (c["pipe_size"], c["tp_size"], c["zero_rank"]) == (1, 1, 0)
         assert dict(c)["world_size"] == 1 and "rank" in c and c.get("comm") is None
-        for key, words in (("topology", "no pipeline"), ("comm", "torch.distributed"), ("nope", "no key")):
+        for key, words in (("topology", "no pipeline"), ("comm", "torch.distributed"), ("nope", "no key"),
+                           ("load_stream", "runs on cpu"), ("calc_stream", "runs on cpu"),
+                           ("load_event", "wait_loader")):
             try:
                 c[key]
             except KeyError as e:
@@ -71,6 +74,36 @@ def test_config_reads_the_context() -> None:
             assert "read-only" in str(e)
         else:
             raise AssertionError
+    """)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: torch.cuda.is_available() is False")
+def test_config_streams_order_with_the_engine_on_a_gpu() -> None:
+    """BMTrain's pattern: work queued on the load stream, the compute stream waiting for it, around a model
+    whose shards come from the host through that stream."""
+    _run("""
+        import torch
+        import bmtwrap as bmt
+        from bmtwrap.engine.dist import current
+        bmt.init_distributed(seed=0)
+        c = bmt.config
+        assert c["load_stream"] is current().copy_stream("to_device") and "load_stream" in dict(c)
+        assert c["calc_stream"] == torch.cuda.default_stream()
+        torch.manual_seed(0)
+        layers = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)]).cuda()
+        ref = [p.detach().clone() for p in layers.parameters()]
+        model = bmt.wrap(torch.nn.Sequential(*layers), offload_params=True)
+        x = torch.randn(64, 256, device="cuda")
+        with torch.cuda.stream(c["load_stream"]):
+            y = x * 2
+        torch.cuda.current_stream().wait_stream(c["load_stream"])
+        assert torch.equal(y, x * 2)
+        out = model(x)
+        expected = x
+        for i in range(4):
+            expected = torch.nn.functional.linear(expected, ref[2 * i], ref[2 * i + 1])
+        torch.testing.assert_close(out, expected)
     """)
 
 
@@ -255,6 +288,11 @@ def test_bmtrain_module_paths() -> None:
         assert flag.item() == 1
         F.has_inf_nan(torch.tensor([1.0]), flag)
         assert flag.item() == 1  # set, never cleared: the caller zeroes it
+        flag.zero_()
+        F.has_inf_nan_bf16(torch.tensor([1.0, 2.0]).bfloat16(), flag)
+        assert flag.item() == 0
+        F.has_inf_nan_bf16(torch.tensor([float("inf"), 2.0]).bfloat16(), flag)
+        assert flag.item() == 1
         print_block("title", "body")
         print_dict("config", {"lr": 0.1, "a long name": "x" * 70})
         bmt.init_distributed(seed=0)

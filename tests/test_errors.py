@@ -70,9 +70,10 @@ def test_init_distributed_rejects_zero_level_1():
         bmt.init_distributed(seed=0, zero_level=1)
 
 
-@pytest.mark.parametrize("kwargs", [{"tp_size": 2}, {"pipe_size": 2}], ids=["tp_size", "pipe_size"])
+@pytest.mark.parametrize("kwargs", [{"tp_size": 2}, {"pipe_size": 2}, {"sp_size": 2}],
+                         ids=["tp_size", "pipe_size", "sp_size"])
 def test_init_distributed_rejects_tensor_and_pipeline_parallelism(kwargs):
-    with pytest.raises(NotImplementedError, match=r"pipeline and tensor parallelism are not supported"):
+    with pytest.raises(NotImplementedError, match=r"pipeline, tensor and sequence parallelism are not supported"):
         bmt.init_distributed(seed=0, **kwargs)
 
 

@@ -21,7 +21,7 @@ import torch
 
 from .. import ops
 
-__all__ = ["has_inf_nan", "install_bmtrain_alias"]
+__all__ = ["has_inf_nan", "has_inf_nan_bf16", "install_bmtrain_alias"]
 
 # BMTrain's module path -> bmtwrap's module whose names stand in for it.
 _ALIASES: Mapping[str, str] = MappingProxyType({
@@ -59,7 +59,8 @@ _EXTRA: Mapping[str, Mapping[str, str]] = MappingProxyType({
     "bmtrain.parameter": {"ParameterInitializer": "bmtwrap.bmtrain.initializer"},
     "bmtrain.utils": {"print_rank": "bmtwrap.engine.dist"},
     "bmtrain.wrapper": {"BMTrainModelWrapper": "bmtwrap"},
-    "bmtrain.loss._function": {"has_inf_nan": "bmtwrap.bmtrain.compat"},
+    "bmtrain.loss._function": {"has_inf_nan": "bmtwrap.bmtrain.compat",
+                               "has_inf_nan_bf16": "bmtwrap.bmtrain.compat"},
 })
 
 
@@ -67,6 +68,11 @@ def has_inf_nan(x: torch.Tensor, out: torch.Tensor) -> None:
     """BMTrain's kernel entry (``bmtrain.loss._function.has_inf_nan``): ``out`` (one uint8 element) is
     set to 1 if ``x`` holds an inf or a NaN, and left as it is otherwise."""
     ops.has_inf_nan_into(x.reshape(-1) if x.is_contiguous() else x.contiguous().reshape(-1), out.view(-1))
+
+
+has_inf_nan_bf16 = has_inf_nan
+"""BMTrain's bf16 kernel entry (``bmtrain.loss._function.has_inf_nan_bf16``): :func:`has_inf_nan`, which
+reads every float dtype."""
 
 
 class _BMTrainAliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, Iterator
 
+import torch
+
 from ..engine import dist as _dist
 
 __all__ = ["ConfigView", "config"]
@@ -32,13 +34,22 @@ _KEYS: Dict[str, Callable[[_dist.DistContext], Any]] = {
     "seed": lambda ctx: ctx.seed,
 }
 
+# BMTrain's streams, on a GPU. BMTrain programs order their own work against the parameters' loads with
+# `torch.cuda.current_stream().wait_stream(bmt.config["load_stream"])`, and queue work beside them with
+# `with torch.cuda.stream(bmt.config["load_stream"])`. Here the load stream is the engine's stream of copies
+# to the device (offloaded shards come through it; wait_loader() waits for it), so both order correctly
+# with the engine's copies; gathers from GPU shards are ordered by the engine itself and need no wait.
+# The computation runs on the device's default stream, BMTrain's calc_stream.
+_STREAMS: Dict[str, Callable[[_dist.DistContext], Any]] = {
+    "load_stream": lambda ctx: ctx.copy_stream("to_device"),
+    "calc_stream": lambda ctx: torch.cuda.default_stream(ctx.device),
+}
+
 # BMTrain's keys with no meaning here, and why.
 _ABSENT: Dict[str, str] = {
     "comm": "bmtwrap has no NCCL communicator of its own; collectives run on torch.distributed's default group",
     "topology": "bmtwrap has no pipeline or tensor parallelism, hence no topology: every rank is one ZeRO group",
-    "calc_stream": "bmtwrap does not keep BMTrain's streams; use torch.cuda.current_stream()",
-    "load_stream": "bmtwrap does not keep BMTrain's streams; the engine manages its own copies",
-    "load_event": "bmtwrap does not keep BMTrain's streams or events",
+    "load_event": "bmtwrap keeps no event of BMTrain's; call bmt.wait_loader() to wait for the loads",
     "barrier_stream": "bmtwrap does not keep BMTrain's streams; use bmt.synchronize()",
     "local_size": "bmtwrap does not record the number of processes per host",
     "loss_scale_factor": "loss scaling is an argument of bmt.optim.OptimManager, not a global setting",
@@ -53,12 +64,14 @@ class ConfigView(Mapping):
     Every lookup reads the context made by :func:`bmtwrap.init_distributed`. Keys: ``initialized``,
     ``rank``, ``world_size``, ``local_rank``, ``zero_level``, ``zero_rank``, ``pipe_size`` (1),
     ``pipe_enabled`` (False), ``pipe_rank`` (0), ``tp_size`` (1), ``tp_rank`` (0),
-    ``tp_zero_rank``, ``seed``.
+    ``tp_zero_rank``, ``seed``; on a GPU also ``load_stream`` (the engine's stream of copies to the
+    device: waiting for it waits for the parameters it loads) and ``calc_stream`` (the device's
+    default stream, where the model computes).
 
     Raises:
         RuntimeError: on lookup before :func:`bmtwrap.init_distributed`.
         KeyError: a key bmtwrap does not have; the message says why (``comm``, ``topology``, the
-            streams) or that BMTrain has no such key.
+            streams of a process on the CPU) or that BMTrain has no such key.
         TypeError: on assignment (the settings are arguments of ``init_distributed``).
 
     Example::
@@ -72,6 +85,12 @@ class ConfigView(Mapping):
         reader = _KEYS.get(key)
         if reader is not None:
             return reader(ctx)
+        stream = _STREAMS.get(key)
+        if stream is not None:
+            if ctx.device.type != "cuda":
+                raise KeyError(f"bmt.config[{key!r}] is a CUDA stream, and this process runs on {ctx.device}: "
+                               "there is nothing to order against")
+            return stream(ctx)
         if key in _ABSENT:
             raise KeyError(f"bmt.config[{key!r}] does not exist in bmtwrap: {_ABSENT[key]}")
         raise KeyError(f"bmt.config has no key {key!r}; it has {sorted(_KEYS)}")
@@ -82,11 +101,14 @@ class ConfigView(Mapping):
         )
 
     def __iter__(self) -> Iterator[str]:
-        _dist.current()
-        return iter(_KEYS)
+        return iter(self._keys())
 
     def __len__(self) -> int:
-        return len(_KEYS)
+        return len(self._keys())
+
+    @staticmethod
+    def _keys() -> list:
+        return list(_KEYS) + (list(_STREAMS) if _dist.current().device.type == "cuda" else [])
 
     def __repr__(self) -> str:
         if not _dist.is_initialized():

@@ -191,6 +191,7 @@ def init_distributed(
     pipe_size: int = -1,
     tp_size: int = 1,
     num_micro_batches: Optional[int] = None,
+    sp_size: int = 1,
 ) -> DistContext:
     """Join the job and seed every RNG.
 
@@ -223,6 +224,8 @@ def init_distributed(
         tp_size: BMTrain's tensor-parallel size, accepted for compatibility; above 1 raises
             ``NotImplementedError`` (there is no tensor parallelism).
         num_micro_batches: BMTrain's pipeline option, accepted for compatibility and ignored.
+        sp_size: BMTrain's sequence-parallel size, accepted for compatibility; above 1 raises
+            ``NotImplementedError`` (there is no sequence parallelism).
 
     Returns:
         The process's :class:`DistContext`.
@@ -232,7 +235,7 @@ def init_distributed(
             ``timeout`` not positive and finite.
         TypeError: ``timeout`` neither a ``timedelta`` nor a number of seconds.
         RuntimeError: ``LOCAL_RANK`` names a GPU this process cannot see (more processes than GPUs).
-        NotImplementedError: ``pipe_size > 1`` or ``tp_size > 1``.
+        NotImplementedError: ``pipe_size``, ``tp_size`` or ``sp_size`` above 1.
 
     Example::
 
@@ -247,10 +250,10 @@ def init_distributed(
         raise ValueError(f"zero_level must be 2 or 3, got {zero_level!r}")
     if backend not in (None, "nccl", "gloo"):
         raise ValueError(f"backend must be 'nccl', 'gloo' or None, got {backend!r}")
-    if pipe_size > 1 or tp_size > 1:
+    if pipe_size > 1 or tp_size > 1 or sp_size > 1:
         raise NotImplementedError(
-            f"pipeline and tensor parallelism are not supported (pipe_size={pipe_size}, tp_size={tp_size}); "
-            "bmtwrap shards parameters over all ranks (ZeRO)"
+            f"pipeline, tensor and sequence parallelism are not supported (pipe_size={pipe_size}, "
+            f"tp_size={tp_size}, sp_size={sp_size}); bmtwrap shards parameters over all ranks (ZeRO)"
         )
     del num_micro_batches  # BMTrain's pipeline option; nothing to do without pipelines
     wait_limit = _check_timeout(timeout)
