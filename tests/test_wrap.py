@@ -225,11 +225,24 @@ def test_plan_with_offload_moves_state_to_the_host():
 
 
 def test_plan_activations_follow_the_batch_and_the_vocabulary():
-    small = bmt.plan(tiny_llama(), world_size=1, batch_size=2, seq_len=16).memory.activations
-    large = bmt.plan(tiny_llama(), world_size=1, batch_size=4, seq_len=16).memory.activations
-    assert large == 2 * small
+    small = bmt.plan(tiny_llama(), world_size=1, batch_size=2, seq_len=16).memory
+    large = bmt.plan(tiny_llama(), world_size=1, batch_size=4, seq_len=16).memory
+    assert large.activations == 2 * small.activations
     vocab = tiny_llama().config.vocab_size
-    assert small >= 12 * 2 * 16 * vocab  # the fp32 cross-entropy's backward over the logits
+    # The fp32 cross-entropy's backward over the logits counts at the loss, with no gradients yet.
+    assert small.loss_peak - small.params - small.optimizer >= 12 * 2 * 16 * vocab
+    assert large.loss_peak - small.loss_peak >= 12 * 2 * 16 * vocab
+
+
+def test_plan_peak_is_the_larger_of_the_loss_and_backward():
+    """A large vocabulary peaks at the loss, before backward makes the gradients; a small one in backward."""
+    wide = bmt.plan(tiny_llama(vocab_size=4096), world_size=1, batch_size=4, seq_len=32).memory
+    assert wide.loss_peak > wide.backward_peak and wide.total == wide.loss_peak
+    assert wide.total < wide.backward_peak + 12 * 4 * 32 * 4096  # the gradients are not summed with the loss
+    narrow = bmt.plan(tiny_llama(vocab_size=8), world_size=1, batch_size=4, seq_len=32).memory
+    assert narrow.backward_peak > narrow.loss_peak and narrow.total == narrow.backward_peak
+    assert narrow.backward_peak == narrow.params + narrow.grads + narrow.optimizer + narrow.gathered + narrow.activations
+    assert bmt.plan(tiny_llama(), world_size=1).memory.loss_peak is None  # no batch shape
 
 
 def test_plan_command(tmp_path):

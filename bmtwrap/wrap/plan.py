@@ -11,19 +11,21 @@ master for 16-bit parameters, of which a bf16 parameter on the GPU holds half, o
 really owns). Ranks own slightly different
 element counts (alignment gaps, the tail padding): the plan reports the largest.
 
-The rest is a model of the peak of a training step of a transformer, which comes at the start of
-backward or while a block recomputes:
-- gathered: the root group in full for the whole step plus its full gradient (reduced when
-  backward ends), the two largest blocks (the running one and the prefetched one) and one block's
-  full gradient before its reduce-scatter;
-- activations: each checkpointed block keeps its input, ``tokens x hidden`` values; an
-  un-checkpointed block keeps what its layer saves (``LAYER_SAVED`` values per token);
-- transient, the larger of (a) the cross-entropy of a causal LM head: transformers computes it in
-  fp32 (``logits.float()``) through log-softmax, whose backward holds the saved log-probabilities,
-  their gradient and the logits' gradient at once, 12 bytes per token and vocabulary entry (the
-  16-bit logits are freed after forward when only the loss is kept), and (b) one block's
-  recomputation and backward, ``LAYER_SAVED`` values plus ``LAYER_FP32`` fp32 values per token,
-  twice (its activations and their gradients).
+The rest is a model of the peak of a training step of a transformer, the larger of two moments:
+- the loss, before backward has made any gradient (``zero_grad()`` freed the last step's): the
+  parameters and optimizer state, the root group and one block gathered, the saved activations, and
+  the cross-entropy of a causal LM head: transformers computes it in fp32 (``logits.float()``)
+  through log-softmax, whose backward holds the saved log-probabilities, their gradient and the
+  logits' gradient at once, 12 bytes per token and vocabulary entry (the 16-bit logits are freed
+  after forward when only the loss is kept);
+- backward, with every gradient shard: the parameters, gradients and optimizer state, what is
+  gathered (the root group in full plus its full gradient, the two largest blocks, the running one
+  and the prefetched one, and one block's full gradient before its reduce-scatter), the saved
+  activations and one block's recomputation and backward, ``LAYER_SAVED`` values plus
+  ``LAYER_FP32`` fp32 values per token, twice (its activations and their gradients).
+Saved activations: each checkpointed block keeps its input, ``tokens x hidden`` values; an
+un-checkpointed block keeps what its layer saves (``LAYER_SAVED`` values per token). Gradients that
+accumulate over micro-batches are alive at the later losses too: the first moment then reads low.
 Offload moves state to the host: ``AdamOffloadOptimizer`` keeps the moments and master of the
 offloaded share there (pageable, exact) plus a pinned staging ring; ``offload_params`` keeps the
 blocks' shards and their gradients in pinned memory of their exact size (``offload.PinnedPool``).
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, NamedTuple, Optional, Set, Tuple, Union
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Set, Tuple, Union
 
 import torch
 from torch import nn
@@ -110,10 +112,13 @@ class MemoryEstimate:
         grads: this rank's gradient shards on the GPU (exact).
         optimizer: Adam(W) state on the GPU: fp32 moments, plus an fp32 master for 16-bit
             parameters (its low half for bf16 ones), for the shards whose state is not offloaded (exact).
-        gathered: full copies alive at the peak: the root and its gradient, the two largest
+        gathered: full copies alive in backward: the root and its gradient, the two largest
             blocks, one block's gradient before its reduction.
-        activations: saved activations plus the largest transient (a block's recomputation or
-            the LM head's loss), or ``None`` when no batch shape was given.
+        activations: saved activations plus one block's recomputation and backward, or ``None``
+            when no batch shape was given.
+        loss_peak: GPU bytes while the loss is computed, before any gradient exists: parameters,
+            optimizer state, the root and one block gathered, saved activations and the LM head's
+            fp32 cross-entropy; ``None`` without a batch shape.
         host: CPU memory of this rank: offloaded optimizer state (exact), pinned staging,
             offloaded shards and gradients.
         host_detail: ``host`` by part, for the printout.
@@ -126,10 +131,16 @@ class MemoryEstimate:
     activations: Optional[int]
     host: int = 0
     host_detail: Tuple[Tuple[str, int], ...] = ()
+    loss_peak: Optional[int] = None
 
     @property
     def total(self) -> int:
-        """GPU bytes: every part above but ``host``."""
+        """GPU bytes at the peak: the larger of :attr:`backward_peak` and :attr:`loss_peak`."""
+        return max(self.backward_peak, self.loss_peak or 0)
+
+    @property
+    def backward_peak(self) -> int:
+        """GPU bytes in backward: every part above but ``host`` and ``loss_peak``."""
         return self.params + self.grads + self.optimizer + self.gathered + (self.activations or 0)
 
 
@@ -195,6 +206,8 @@ class WrapPlan:
         lines.append(f"    parameters {gib(m.params)}   gradients {gib(m.grads)}   optimizer {gib(m.optimizer)}")
         act = gib(m.activations) if m.activations is not None else "   (give batch_size and seq_len)"
         lines.append(f"    gathered   {gib(m.gathered)}   activations {act}")
+        if m.loss_peak is not None:
+            lines.append(f"    at the loss {gib(m.loss_peak)} (no gradients yet)   in backward {gib(m.backward_peak)}")
         lines.append(f"    total      {gib(m.total)}")
         if self.fits is not None:
             usable = _usable(self.max_gpu_memory, self.world_size)
@@ -344,7 +357,9 @@ def _rank_bytes(groups: _Groups, offload: OffloadOptions, rank: int) -> Dict[str
 
 
 def _activations(model: nn.Module, blocks: List[GroupPlan], block_dtype: torch.dtype, batch_size: Optional[int],
-                 seq_len: Optional[int]) -> Optional[int]:
+                 seq_len: Optional[int]) -> Optional[Tuple[int, int, int]]:
+    """(saved activations, one block's recomputation and backward, the LM head's loss) in bytes, or
+    ``None`` without a batch shape (see [Note: memory estimate])."""
     hidden = _config_int(model, "hidden_size", "d_model", "n_embd", "dim")
     if batch_size is None or seq_len is None or hidden is None or not blocks:
         return None
@@ -354,8 +369,7 @@ def _activations(model: nn.Module, blocks: List[GroupPlan], block_dtype: torch.d
     layer = tokens * (size * (LAYER_SAVED_H * hidden + LAYER_SAVED_I * inner) + 4 * LAYER_FP32_H * hidden)
     saved = sum(tokens * hidden * size if b.checkpoint else layer for b in blocks)
     vocab = _vocab_size(model)
-    loss = LOSS_BYTES * tokens * vocab if vocab else 0
-    return saved + max(2 * layer, loss)
+    return saved, 2 * layer, LOSS_BYTES * tokens * vocab if vocab else 0
 
 
 def _usable(budget: int, world_size: int) -> int:
@@ -364,13 +378,13 @@ def _usable(budget: int, world_size: int) -> int:
     return budget - margin_bytes(budget) - outside_allocator_estimate(world_size)
 
 
-def _keep_what_fits(model: nn.Module, blocks: List[GroupPlan], block_dtype: torch.dtype, batch_size: int,
-                    seq_len: int, others: int, budget: int, world_size: int) -> List[GroupPlan]:
+def _keep_what_fits(blocks: List[GroupPlan], estimate: Callable[[List[GroupPlan]], MemoryEstimate], budget: int,
+                    world_size: int) -> List[GroupPlan]:
     """``checkpoint="auto"`` under ``budget``: blocks, first to last, stop checkpointing while the estimate fits."""
     planned = list(blocks)
     for index, block in enumerate(blocks):
         trial = planned[:index] + [dataclasses.replace(block, checkpoint=False)] + planned[index + 1:]
-        if others + (_activations(model, trial, block_dtype, batch_size, seq_len) or 0) > _usable(budget, world_size):
+        if estimate(trial).total > _usable(budget, world_size):
             break
         planned = trial
     return planned
@@ -411,19 +425,27 @@ def make_plan(model: nn.Module, world_size: int, *, layers: Optional[LayerPolicy
         staging = offload.chunk_numel * 2 * grad_size * offload.staging_slots  # a gradient and a parameter (cudaHostAlloc)
     host_detail = (("optimizer state", exact["host_state"]), ("pinned staging", staging),
                    ("parameters and gradients", exact["host_params"]))
+
+    def estimate(planned: List[GroupPlan]) -> MemoryEstimate:
+        parts = _activations(model, planned, block_dtype, batch_size, seq_len)
+        loss_peak = None
+        if parts is not None:  # the root and the next block gathered, the saved activations, the loss
+            saved, _, loss = parts
+            loss_peak = exact["params"] + exact["optimizer"] + root.padded_bytes + sum(largest[:1]) + saved + loss
+        return MemoryEstimate(
+            params=exact["params"],
+            grads=exact["grads"],
+            optimizer=exact["optimizer"],
+            gathered=gathered,
+            activations=None if parts is None else parts[0] + parts[1],
+            host=sum(size for _, size in host_detail),
+            host_detail=host_detail,
+            loss_peak=loss_peak,
+        )
+
     if checkpoint == "auto" and max_gpu_memory is not None and batch_size is not None and seq_len is not None:
-        others = exact["params"] + exact["grads"] + exact["optimizer"] + gathered
-        block_plans = _keep_what_fits(model, block_plans, block_dtype, batch_size, seq_len, others, max_gpu_memory,
-                                      world_size)
-    memory = MemoryEstimate(
-        params=exact["params"],
-        grads=exact["grads"],
-        optimizer=exact["optimizer"],
-        gathered=gathered,
-        activations=_activations(model, block_plans, block_dtype, batch_size, seq_len),
-        host=sum(size for _, size in host_detail),
-        host_detail=host_detail,
-    )
+        block_plans = _keep_what_fits(block_plans, estimate, max_gpu_memory, world_size)
+    memory = estimate(block_plans)
     plan = WrapPlan(type(model).__name__, world_size, rule, tuple(block_plans), root, tuple(shared_names),
                     checkpoint, memory, offload, ranks_per_host or min(world_size, 8), max_gpu_memory)
     return plan, blocks, shared_ids
