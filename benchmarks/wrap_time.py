@@ -39,7 +39,8 @@ def main() -> None:
     bmt.synchronize()
     wrapped = time.perf_counter()
     bmt.print_rank("RESULT " + json.dumps({
-        "what": "wrap_time", "model": "llama-8b", "world": bmt.world_size(), "device": str(bmt.engine.dist.current().device),
+        "what": "wrap_time", "model": "llama-8b", "world": bmt.world_size(),
+        "device": str(bmt.engine.dist.current().device),
         "params": sum(g.params for g in (plan.root, *plan.blocks)), "blocks": len(plan.blocks),
         "build_meta_s": round(built - start, 3), "plan_s": round(planned - built, 3),
         "wrap_s": round(wrapped - planned, 3),

@@ -46,6 +46,7 @@ MOVED_MODULES = {**{f"{__name__}.{name}": f"{__name__}.bmtrain.{name}" for name 
 for _old, _new in MOVED_MODULES.items():
     _sys.modules.setdefault(_old, _importlib.import_module(_new))
     globals().setdefault(_old.rpartition(".")[2], _sys.modules[_old])  # `import bmtwrap.dist` binds bmtwrap
+del _old, _new
 
 BMTrainModelWrapper = wrap
 """BMTrain's name of :func:`wrap` (the same function)."""

@@ -1,4 +1,5 @@
-"""A stand-in for a GPU's memory counters, so that ``checkpoint="auto"`` decides on the CPU (``bmtwrap.engine.memory.Gauge``)."""
+"""A stand-in for a GPU's memory counters, so that ``checkpoint="auto"`` decides on the CPU
+(``bmtwrap.engine.memory.Gauge``)."""
 
 GIB = 2**30
 

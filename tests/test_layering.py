@@ -124,3 +124,15 @@ def test_the_check_lets_the_allowed_through() -> None:
     assert violations("bmtwrap.engine.group", "bmtwrap.engine", "from .dist import x\nfrom ..ops import y\n") == []
     assert violations("bmtwrap.checkpoint.full", "bmtwrap.checkpoint", "from ..wrap import z\n") == []
     assert violations("bmtwrap.hf", "bmtwrap", "from .checkpoint import a\nfrom .bmtrain import b\n") == []
+
+
+def test_the_old_module_paths_still_import() -> None:
+    import importlib
+
+    import bmtwrap
+    assert "bmtwrap.compat" in bmtwrap.MOVED_MODULES and "bmtwrap.dist" in bmtwrap.MOVED_MODULES
+    for old, new in bmtwrap.MOVED_MODULES.items():
+        assert importlib.import_module(old) is importlib.import_module(new), old
+    from bmtwrap.compat import install_bmtrain_alias
+    from bmtwrap.nn import Linear
+    assert install_bmtrain_alias.__module__ == "bmtwrap.bmtrain.compat" and Linear is bmtwrap.bmtrain.nn.Linear

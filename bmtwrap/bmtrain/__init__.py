@@ -1,7 +1,7 @@
 """BMTrain's API on bmtwrap's engine: what ``import bmtwrap as bmt`` gives a BMTrain program.
 
-Thin classes and helpers over ``bmtwrap.engine``; they import the engine (and ``bmtwrap.ops``,
-``bmtwrap.checkpoint`` where BMTrain's names save and load), never the reverse:
+Thin classes and helpers over ``bmtwrap.engine``; they import the engine and ``bmtwrap.ops``, never the
+reverse (BMTrain's ``save``/``load`` live in ``bmtwrap.checkpoint``, which the top level exports):
 
     block.py         Block / CheckpointBlock
     blocklist.py     TransformerBlockList, PipelineTransformerBlockList
