@@ -366,8 +366,9 @@ def _activations(model: nn.Module, blocks: List[GroupPlan], block_dtype: torch.d
     inner = _config_int(model, "intermediate_size", "ffn_dim", "d_ff", "n_inner") or 4 * hidden
     tokens = batch_size * seq_len
     size = _itemsize(block_dtype)
-    layer = tokens * (size * (LAYER_SAVED_H * hidden + LAYER_SAVED_I * inner) + 4 * LAYER_FP32_H * hidden)
-    saved = sum(tokens * hidden * size if b.checkpoint else layer for b in blocks)
+    kept = tokens * size * (LAYER_SAVED_H * hidden + LAYER_SAVED_I * inner)  # what a layer saves for backward
+    layer = kept + tokens * 4 * LAYER_FP32_H * hidden  # and, while it runs, its norms' fp32 values
+    saved = sum(tokens * hidden * size if b.checkpoint else kept for b in blocks)
     vocab = _vocab_size(model)
     return saved, 2 * layer, LOSS_BYTES * tokens * vocab if vocab else 0
 
