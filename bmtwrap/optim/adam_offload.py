@@ -264,13 +264,13 @@ class AdamOffloadOptimizer(_AdamBase):
         if not kept:
             return
         self.wait()  # the CPU updates of the first step are written back
+        self._on_gpu = kept  # first: a bf16 parameter kept on the GPU then holds half of its master
         for p in params:
             if id(p) in kept and self.state.get(p):
                 state = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.state[p].items()}
                 if p.dtype == torch.float32:
                     state.pop("master", None)  # on the GPU an fp32 parameter is its own master (equal after wait())
                 self.state[p] = self._split_master(p, state)
-        self._on_gpu = kept
         kept_numel = sum(p.numel() for p in params if id(p) in kept)
         self.offload_fraction = 1.0 - kept_numel / max(1, sum(p.numel() for p in params))
 
