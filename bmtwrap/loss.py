@@ -146,7 +146,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
-                label_smoothing: float, reduction: str, chunk: int) -> torch.Tensor:
+                label_smoothing: float, reduction: str, chunk: int, softcap: Optional[float]) -> torch.Tensor:
         weights, _ = _row_weights(targets, ignore_index, reduction)
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
@@ -158,12 +158,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
             t = targets[start : start + chunk]
             w = weights[start : start + chunk]
             logits = h @ weight.T  # (chunk, V): the only logits alive at a time
+            tanh = None
+            if softcap is not None:  # cap * tanh(logits / cap), in the logits' dtype as transformers does it
+                tanh = torch.tanh(logits.div_(softcap))
+                logits = tanh * softcap
             rows, lse = ops.cross_entropy_forward(logits, t, ignore_index=ignore_index,
                                                   label_smoothing=label_smoothing)
             total += (rows * w).sum()
             if need_grad:
                 ops.cross_entropy_backward_(logits, t, lse, w.contiguous(), ignore_index=ignore_index,
                                             label_smoothing=label_smoothing)
+                if tanh is not None:  # d(cap * tanh(x / cap))/dx = 1 - tanh(x / cap)^2
+                    logits.mul_(tanh.square_().neg_().add_(1))
                 if grad_hidden is not None:
                     grad_hidden[start : start + chunk] = logits @ weight
                 if grad_weight is not None:
@@ -181,7 +187,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # In place: a scaled copy of the fp32 weight gradient would double the peak.
         gh = grad_hidden.mul_(scale.to(grad_hidden.dtype)) if grad_hidden is not None else None
         gw = grad_weight.mul_(scale).to(ctx.weight_dtype) if grad_weight is not None else None
-        return gh, gw, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None
 
 
 def _accumulate_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -201,7 +207,7 @@ def _accumulate_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
                          ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-                         chunk_size: int = 8192) -> torch.Tensor:
+                         chunk_size: int = 8192, softcap: Optional[float] = None) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T`` against ``target`` without materialising the logits.
 
     Rows are processed ``chunk_size`` at a time: each chunk's logits are computed, reduced to its
@@ -221,6 +227,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         target: (N,) class indices.
         reduction: "mean" (over non-ignored rows) or "sum".
         chunk_size: rows per chunk (see above).
+        softcap: the logits are ``softcap * tanh(logits / softcap)`` (Gemma 2's ``final_logit_softcapping``).
 
     Raises:
         ValueError: shapes that do not fit, or ``reduction="none"``.
@@ -238,5 +245,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         raise ValueError(f"target must have shape ({hidden.shape[0]},), got {tuple(target.shape)}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
     return _LinearCrossEntropy.apply(hidden.contiguous(), weight, target.long().contiguous(), ignore_index,
-                                     label_smoothing, reduction, chunk_size)
+                                     label_smoothing, reduction, chunk_size, softcap)
