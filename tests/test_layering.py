@@ -23,7 +23,7 @@ ALLOWED: Dict[str, FrozenSet[str]] = {
     "ops": frozenset({"_C"}),
     "engine": frozenset({"ops"}),
     "bmtrain": frozenset({"engine", "ops"}),
-    "wrap": frozenset({"engine", "ops"}),
+    "wrap": frozenset({"engine", "ops", "loss"}),
     "optim": frozenset({"engine", "ops"}),
     "loss": frozenset({"engine", "ops"}),
     "lr_scheduler": frozenset({"engine", "ops"}),

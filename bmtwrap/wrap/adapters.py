@@ -15,6 +15,9 @@ import inspect
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type, TypeVar
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .head_loss import covered_head, install_head_loss
 
 __all__ = ["HFAdapter", "ModelAdapter", "adapter_for", "register_adapter"]
 
@@ -43,6 +46,15 @@ class ModelAdapter:
         methods call directly. The root group is gathered around the outermost of these calls."""
         return [model]
 
+    def loss_head(self, model: nn.Module) -> Optional[nn.Module]:
+        """The output projection through which :meth:`loss_without_logits` computes the loss, if it does."""
+        return None
+
+    def loss_without_logits(self, model: nn.Module) -> Tuple[List[RemovableHandle], Optional[Callable[[], None]]]:
+        """Make the model compute its training loss without materialising its logits, where it can: returns
+        the hooks' handles and what undoes the rest (``None``: nothing was installed)."""
+        return [], None
+
     def initializer(self, model: nn.Module) -> Callable[[nn.Module], None]:
         """A function that initialises one module's own parameters and buffers in place."""
 
@@ -70,6 +82,8 @@ class HFAdapter(ModelAdapter):
       are done (``synced_gpus``), as each step runs collectives.
     - In training, ``use_cache=False`` is passed unless the caller chose: a key/value cache is
       useless there and costs memory.
+    - A causal LM trained with ``labels`` computes its loss from the last hidden state, without the
+      logits (see [Note: the loss without the logits] in ``head_loss.py``).
     - Initialisation uses the model's own ``_init_weights`` (nearest ``PreTrainedModel``), which
       also recomputes non-persistent buffers such as rotary ``inv_freq``.
     """
@@ -96,6 +110,12 @@ class HFAdapter(ModelAdapter):
         model._is_fsdp_managed_module = True
         if "use_cache" in inspect.signature(hf.forward).parameters:
             hf.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
+
+    def loss_head(self, model: nn.Module) -> Optional[nn.Module]:
+        return covered_head(self.hf)
+
+    def loss_without_logits(self, model: nn.Module) -> Tuple[List[RemovableHandle], Optional[Callable[[], None]]]:
+        return install_head_loss(self.hf)
 
     def entry_points(self, model: nn.Module) -> List[nn.Module]:
         # A wrapper (peft) runs generate() on the transformers model inside it, which calls its own forward.

@@ -26,7 +26,7 @@ import functools
 import sys
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -42,7 +42,9 @@ from ..engine.shard import build_group, unshard_group
 from ..engine.schedule import engine
 from .adapters import ModelAdapter, adapter_for
 from .auto import AutoRecompute, auto_recompute
+from .compiled import CompileOption, compile_options, compiled_forward
 from .detect import LayerPolicy
+from .instance_forward import replace_forward
 from .plan import Checkpoint, OffloadOptions, WrapPlan, make_plan
 
 __all__ = ["StaleBuffer", "plan", "wrap", "wrapped_record"]
@@ -58,6 +60,8 @@ class WrapOptions:
     reduce_dtype: Optional[torch.dtype]
     max_gpu_memory: Optional[int]
     offload_params: bool
+    keep_logits: bool
+    compile: Any  # as given: True, False, "auto", or torch.compile's options as sorted (name, value) pairs
 
 
 class StaleBuffer(NamedTuple):
@@ -119,7 +123,8 @@ def _check_options(checkpoint: Checkpoint, zero_level: Optional[int]) -> None:
 def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional[LayerPolicy] = None,
          checkpoint: Checkpoint = "auto", batch_size: Optional[int] = None, seq_len: Optional[int] = None,
          offload_optimizer: bool = False, offload_fraction: float = 1.0, offload_params: bool = False,
-         ranks_per_host: Optional[int] = None, max_gpu_memory: Union[int, str, None] = None) -> WrapPlan:
+         ranks_per_host: Optional[int] = None, max_gpu_memory: Union[int, str, None] = None,
+         keep_logits: bool = False) -> WrapPlan:
     """What :func:`wrap` would do to ``model``, without doing it (no collectives, no allocation).
 
     The memory estimate is per rank, on the GPU and on the host; its parameter, gradient and
@@ -145,6 +150,7 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
         ranks_per_host: ranks sharing one host, for the per-host memory; default:
             ``min(world_size, 8)``.
         max_gpu_memory: a GPU budget per rank, as for :func:`wrap`; the plan says whether it fits.
+        keep_logits: as for :func:`wrap`: plan for transformers' loss over the whole logits.
 
     Returns:
         A :class:`~bmtwrap.wrap.plan.WrapPlan`; ``print(plan)`` shows it as a table.
@@ -174,7 +180,8 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
     offload = OffloadOptions(optimizer=offload_optimizer, fraction=offload_fraction, params=offload_params)
     budget = None if max_gpu_memory is None else parse_bytes(max_gpu_memory)
     return make_plan(model, world_size, layers=layers, checkpoint=checkpoint, batch_size=batch_size,
-                     seq_len=seq_len, offload=offload, ranks_per_host=ranks_per_host, max_gpu_memory=budget)[0]
+                     seq_len=seq_len, offload=offload, ranks_per_host=ranks_per_host, max_gpu_memory=budget,
+                     fused_loss=not keep_logits)[0]
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -196,25 +203,20 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                     )
 
 
-def _install_forward(module: nn.Module, runner: BlockRunner) -> Callable[[], None]:
-    """Run ``module``'s forward through ``runner``; returns what undoes it."""
-    had_own = "forward" in module.__dict__  # an instance forward set by another library (accelerate's hooks)
-    original = module.forward
+def _install_forward(module: nn.Module, runner: BlockRunner,
+                     compile_with: Optional[Dict[str, Any]]) -> Callable[[], None]:
+    """Run ``module``'s forward through ``runner``, compiled with ``torch.compile(**compile_with)`` unless that is
+    ``None``; returns what undoes it."""
+    original = module.forward  # may be an instance forward set by another library (accelerate's hooks)
+    body = original if compile_with is None else compiled_forward(original, runner.name, compile_with)
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        return runner.run(original, args, kwargs)
+        return runner.run(body, args, kwargs)
 
     forward.block_runner = runner  # a Block built over this module calls it instead of running it again
-    module.forward = forward
-
-    def restore() -> None:
-        if had_own:
-            module.forward = original
-        else:
-            del module.forward
-
-    return restore
+    forward.compiled_body = None if body is original else body  # is_eager() tells whether it fell back
+    return replace_forward(module, forward)
 
 
 def _attach_root(model: nn.Module, root: RootRunner, entry_points: List[nn.Module]) -> List[RemovableHandle]:
@@ -279,7 +281,8 @@ def _already_wrapped(model: nn.Module, options: WrapOptions) -> Optional[nn.Modu
 
 def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: Checkpoint = "auto",
          zero_level: Optional[int] = None, reduce_dtype: Optional[torch.dtype] = None,
-         max_gpu_memory: Union[int, str, None] = None, offload_params: bool = False) -> nn.Module:
+         max_gpu_memory: Union[int, str, None] = None, offload_params: bool = False,
+         keep_logits: bool = False, compile: CompileOption = "auto") -> nn.Module:
     """Shard ``model`` over all ranks, in place, and return it.
 
     The repeated layers (an ``nn.ModuleList``/``nn.Sequential`` of one class, or a class a Hugging
@@ -318,6 +321,21 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
             anyway) stays on the GPU. The blocks' parameters, their ``.grad`` and a plain
             optimizer's state for them are then CPU tensors; pair it with
             :class:`~bmtwrap.optim.AdamOffloadOptimizer`, which updates them in place on the CPU.
+        keep_logits: ``False`` (default): a Hugging Face causal LM called with ``labels`` in
+            training mode, with gradients, computes its loss from the last hidden state, a chunk of
+            tokens at a time (:func:`bmtwrap.loss.linear_cross_entropy`), and returns
+            ``logits=None``: the vocabulary-wide fp32 logits and their gradient (GiBs at a 128k
+            vocabulary) never exist. ``True``: transformers' own loss, with the logits. Calls in
+            evaluation mode, without gradients (``generate()``) or without labels return the
+            logits. See [Note: the loss without the logits] in ``bmtwrap/wrap/head_loss.py`` for
+            the models it covers.
+        compile: compile each block's forward for training (in training mode, with gradients;
+            evaluation and ``generate()`` run eagerly) with ``torch.compile``: ``"auto"`` (default: on
+            CUDA when triton is available, not on the CPU), ``True``, ``False``, or a dict of
+            ``torch.compile`` options (``{"mode": "max-autotune"}``, ``{"backend": "aot_eager"}``).
+            Blocks of the same shapes share one compilation, which the first training step pays
+            (tens of seconds for a 7B-class layer); a block that fails to compile runs in eager
+            mode with one warning. See [Note: compiled blocks] in ``bmtwrap/wrap/compiled.py``.
 
     Returns:
         ``model`` itself. Calling ``wrap`` again on a wrapped model with the same options is a
@@ -341,12 +359,15 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
     _check_options(checkpoint, zero_level)
     if max_gpu_memory is not None:
         max_gpu_memory = parse_bytes(max_gpu_memory)
-    if not isinstance(offload_params, bool):
-        raise ValueError(f"offload_params must be True or False, got {offload_params!r}")
+    for name, flag in (("offload_params", offload_params), ("keep_logits", keep_logits)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be True or False, got {flag!r}")
     ctx = _dist.current() if _dist.is_initialized() else _dist.init_distributed()
+    compile_with = compile_options(compile, ctx.device)
     eng = engine(ctx)
+    compared = compile if isinstance(compile, (bool, str)) else tuple(sorted(compile_with.items()))
     options = WrapOptions(layers, checkpoint, zero_level or ctx.zero_level, reduce_dtype, max_gpu_memory,
-                          offload_params)
+                          offload_params, keep_logits, compared)
     if _already_wrapped(model, options) is not None:
         return model
     if any(isinstance(m, BlockModule) for m in model.modules()):
@@ -354,7 +375,8 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
     eng.dissolve_wrapped_under(model)  # wrapped parts are sharded again as parts of this model
 
     the_plan, blocks, shared_ids = make_plan(model, ctx.world_size, layers=layers, checkpoint=checkpoint,
-                                             offload=OffloadOptions(params=offload_params))
+                                             offload=OffloadOptions(params=offload_params),
+                                             fused_loss=not keep_logits)
     adapter = adapter_for(model)
     adapter.prepare(model)
 
@@ -365,7 +387,7 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
         runner = BlockRunner(module, name, recompute=bool(block_plan.checkpoint), zero_level=options.zero_level,
                              reduce_dtype=reduce_dtype, exclude=shared_ids, allow_meta=True,
                              offload=OffloadPolicy(params=options.offload_params))
-        restore_forwards.append(_install_forward(module, runner))
+        restore_forwards.append(_install_forward(module, runner, compile_with))
         handles.append(register_full_state_dict(module))
         runners.append((module, runner))
     owned = {id(slot.param) for _, runner in runners for slot in runner.group.slots}
@@ -375,6 +397,11 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
     root_group = build_group(ctx, eng.registry, model, ROOT_LABEL, lambda g, p: None, reduce_dtype,
                              exclude=owned, allow_meta=True)
     root = RootRunner(eng, root_group, replicated=[])
+    if not keep_logits:
+        loss_handles, restore_head = adapter.loss_without_logits(model)
+        handles += loss_handles
+        if restore_head is not None:
+            restore_forwards.append(restore_head)
     handles += _attach_root(model, root, adapter.entry_points(model))
     stale = _move_buffers(model, ctx.device)
     if max_gpu_memory is not None:

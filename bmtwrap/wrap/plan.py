@@ -17,7 +17,9 @@ The rest is a model of the peak of a training step of a transformer, the larger 
   the cross-entropy of a causal LM head: transformers computes it in fp32 (``logits.float()``)
   through log-softmax, whose backward holds the saved log-probabilities, their gradient and the
   logits' gradient at once, 12 bytes per token and vocabulary entry (the 16-bit logits are freed
-  after forward when only the loss is kept);
+  after forward when only the loss is kept). A wrapped model whose loss is computed without the
+  logits (``head_loss.py``) holds one chunk of 16-bit logits (``HEAD_CHUNK`` tokens), the fp32
+  gradient of the projection and the 16-bit gradient of its input instead;
 - backward, with every gradient shard: the parameters, gradients and optimizer state, what is
   gathered (the root group in full plus its full gradient, the two largest blocks, the running one
   and the prefetched one, and one block's full gradient before its reduce-scatter), the saved
@@ -43,6 +45,7 @@ from torch import nn
 from ..engine.memory import margin_bytes, outside_allocator_estimate
 from ..engine.offload import DEFAULT_CHUNK_NUMEL, DEFAULT_SLOTS, adam_state_bytes
 from ..engine.param import build_layout
+from .adapters import adapter_for
 from .detect import LayerPolicy, find_blocks
 
 __all__ = ["GroupPlan", "MemoryEstimate", "OffloadOptions", "WrapPlan", "make_plan"]
@@ -57,6 +60,8 @@ LAYER_SAVED_H, LAYER_SAVED_I = 10, 4
 LAYER_FP32_H = 4
 # Cross-entropy bytes per token and vocabulary entry at the peak of the loss's backward (see the Note).
 LOSS_BYTES = 12
+# Tokens per chunk of the loss computed without the logits (linear_cross_entropy's default chunk_size).
+HEAD_CHUNK = 8192
 
 
 @dataclass(frozen=True)
@@ -356,8 +361,20 @@ def _rank_bytes(groups: _Groups, offload: OffloadOptions, rank: int) -> Dict[str
     return out
 
 
+def _loss_bytes(model: nn.Module, tokens: int, hidden: int, size: int, fused_loss: bool) -> int:
+    """The LM head's loss at its peak (see [Note: memory estimate]); 0 for a model without an output embedding."""
+    vocab = _vocab_size(model)
+    if not vocab:
+        return 0
+    head = adapter_for(model).loss_head(model) if fused_loss else None
+    if head is None:
+        return LOSS_BYTES * tokens * vocab
+    weight_grad = head.weight.numel() * 4 if head.weight.requires_grad else 0
+    return min(tokens, HEAD_CHUNK) * vocab * size + weight_grad + tokens * hidden * size
+
+
 def _activations(model: nn.Module, blocks: List[GroupPlan], block_dtype: torch.dtype, batch_size: Optional[int],
-                 seq_len: Optional[int]) -> Optional[Tuple[int, int, int]]:
+                 seq_len: Optional[int], fused_loss: bool) -> Optional[Tuple[int, int, int]]:
     """(saved activations, one block's recomputation and backward, the LM head's loss) in bytes, or
     ``None`` without a batch shape (see [Note: memory estimate])."""
     hidden = _config_int(model, "hidden_size", "d_model", "n_embd", "dim")
@@ -369,8 +386,7 @@ def _activations(model: nn.Module, blocks: List[GroupPlan], block_dtype: torch.d
     kept = tokens * size * (LAYER_SAVED_H * hidden + LAYER_SAVED_I * inner)  # what a layer saves for backward
     layer = kept + tokens * 4 * LAYER_FP32_H * hidden  # and, while it runs, its norms' fp32 values
     saved = sum(tokens * hidden * size if b.checkpoint else kept for b in blocks)
-    vocab = _vocab_size(model)
-    return saved, 2 * layer, LOSS_BYTES * tokens * vocab if vocab else 0
+    return saved, 2 * layer, _loss_bytes(model, tokens, hidden, size, fused_loss)
 
 
 def _usable(budget: int, world_size: int) -> int:
@@ -394,7 +410,8 @@ def _keep_what_fits(blocks: List[GroupPlan], estimate: Callable[[List[GroupPlan]
 def make_plan(model: nn.Module, world_size: int, *, layers: Optional[LayerPolicy] = None,
               checkpoint: Checkpoint = "auto", batch_size: Optional[int] = None, seq_len: Optional[int] = None,
               offload: OffloadOptions = OffloadOptions(), ranks_per_host: Optional[int] = None,
-              max_gpu_memory: Optional[int] = None) -> Tuple[WrapPlan, List[Tuple[str, nn.Module]], Set[int]]:
+              max_gpu_memory: Optional[int] = None,
+              fused_loss: bool = True) -> Tuple[WrapPlan, List[Tuple[str, nn.Module]], Set[int]]:
     """The plan, the block modules it names, and the ids of the parameters kept in the root."""
     blocks, rule = find_blocks(model, layers)
     shared_ids, shared_names = shared_parameters(model, blocks)
@@ -428,7 +445,7 @@ def make_plan(model: nn.Module, world_size: int, *, layers: Optional[LayerPolicy
                    ("parameters and gradients", exact["host_params"]))
 
     def estimate(planned: List[GroupPlan]) -> MemoryEstimate:
-        parts = _activations(model, planned, block_dtype, batch_size, seq_len)
+        parts = _activations(model, planned, block_dtype, batch_size, seq_len, fused_loss)
         loss_peak = None
         if parts is not None:  # the root and the next block gathered, the saved activations, the loss
             saved, _, loss = parts

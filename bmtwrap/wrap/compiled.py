@@ -1,0 +1,109 @@
+"""Blocks whose forward runs compiled by ``torch.compile``: ``wrap(compile=...)``.
+
+[Note: compiled blocks]
+Each block's own forward (the layer's code, nothing of the engine's) is compiled with
+``torch.compile``, and runs compiled in training: in training mode with gradients. Evaluation and
+``generate()`` run it eagerly: a decoding step with a key/value cache would compile a graph per
+layer (each updates the cache at its own index) and per length, for calls that are not the bulk of
+the work. The engine's work stays outside the compiled code, in eager mode: gathers and
+their prefetch, the swap of full parameter views into the module, activation checkpointing (the
+compiled call is what ``checkpoint`` runs, and runs again in backward), the hooks that start
+gradient reductions. Blocks of one class share one code object, and dynamo's cache lives on the code
+object with parameters as graph inputs, so the first block compiles and the others of the same shapes
+reuse its graphs (regional compilation): start-up costs one layer's compilation, not the model's. A
+block whose layers differ (a sliding-window layer among full-attention ones) adds a graph of its
+own.
+
+Compilation fuses what a layer runs as many small kernels in eager mode (the RMSNorm's upcast,
+square, mean, rsqrt and scale; the rotary embedding's halves and products; SwiGLU's ``silu(gate) *
+up``) into a few generated kernels, and saves fewer, smaller tensors for backward.
+
+A block whose compiled forward raises (an operation dynamo or the backend cannot handle) runs that
+call again in eager mode: if that succeeds the block stays eager, with one warning naming it and the
+error; if eager mode raises too, the error is the model's and eager mode's is raised. Running out of
+memory is not a compilation failure and is raised as it is.
+
+``compile="auto"`` (the default) compiles on CUDA when triton is importable, and leaves the CPU eager:
+there, compiling a layer takes seconds to minutes and gains little.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any, Callable, Dict, Mapping, Optional, Union
+
+import torch
+
+__all__ = ["CompileOption", "compile_options", "compiled_forward"]
+
+CompileOption = Union[bool, str, Mapping[str, Any]]
+
+try:
+    from torch.utils.checkpoint import _StopRecomputationError as _StopRecomputation
+except ImportError:  # a torch without early stopping never raises it
+    class _StopRecomputation(Exception):  # type: ignore[no-redef]
+        pass
+
+# Raised through a compiled call as they are: not compilation failures.
+_NOT_COMPILATION = (torch.OutOfMemoryError, _StopRecomputation)
+
+
+def _triton_available() -> bool:
+    try:
+        from torch.utils._triton import has_triton
+    except ImportError:
+        return False
+    return bool(has_triton())
+
+
+def compile_options(option: CompileOption, device: torch.device) -> Optional[Dict[str, Any]]:
+    """``torch.compile``'s keyword arguments for a ``wrap(compile=option)`` on ``device``, or ``None`` for eager.
+
+    Raises:
+        ValueError: ``option`` is not ``True``, ``False``, ``"auto"`` or a mapping of ``torch.compile`` options.
+    """
+    if option is False:
+        return None
+    if option == "auto":
+        return {} if device.type == "cuda" and _triton_available() else None
+    if option is True:
+        return {}
+    if isinstance(option, Mapping):
+        return dict(option)
+    raise ValueError(f"compile must be True, False, 'auto' or a dict of torch.compile options, got {option!r}")
+
+
+def compiled_forward(forward: Callable[..., Any], name: str, options: Dict[str, Any]) -> Callable[..., Any]:
+    """``forward`` compiled with ``torch.compile(**options)``, falling back to eager mode for good when a
+    compiled call raises and the eager call does not (see [Note: compiled blocks])."""
+    compiled = torch.compile(forward, **options)
+    state = {"eager": False}
+
+    module = getattr(forward, "__self__", None)
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if state["eager"] or not torch.is_grad_enabled() or not getattr(module, "training", True):
+            return forward(*args, **kwargs)
+        try:
+            # Guards on the modules' hooks, which dynamo skips by default: a block with hooks added later (or a
+            # model with hooks where another of the same class had none) compiles anew instead of running
+            # graphs traced without them.
+            with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
+                return compiled(*args, **kwargs)
+        except _NOT_COMPILATION:
+            raise
+        except Exception as error:
+            failure = error
+        out = forward(*args, **kwargs)  # eager mode's own error, if it has one, is the one raised
+        state["eager"] = True
+        message = " ".join(str(failure).split())
+        warnings.warn(f"bmtwrap: block {name!r} did not compile and runs in eager mode from now on "
+                      f"({type(failure).__name__}: {message[:400]}); wrap(compile=False) turns compilation off",
+                      RuntimeWarning, stacklevel=2)
+        return out
+
+    run.compiled = compiled
+    run.is_eager = lambda: state["eager"]
+    return run

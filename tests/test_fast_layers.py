@@ -1,0 +1,171 @@
+"""Compiled blocks (``wrap(compile=...)``) and the loss without the logits, against unwrapped models.
+
+Across ranks (gloo, world sizes 1-3: ``dist_cases/fast_layers.py``): compiled blocks, checkpointed or
+not, ZeRO-2 and -3, frozen parameters, hooks and LoRA adapters train like the unwrapped model; the
+loss computed from the last hidden state matches transformers' for Llama, Qwen2, Gemma, Gemma 2 and
+GPT-2 with padding and ignored labels. In one process: a real inductor compilation, the fallback
+to eager mode, the options, and the calls that keep transformers' logits.
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import transformers
+
+import bmtwrap as bmt
+from bmtwrap.wrap.compiled import compile_options
+from launch import case, run_cases
+
+COMPILED = ["compiled_checkpointed", "compiled_kept", "compiled_zero2", "compiled_frozen_and_hooked", "compiled_lora"]
+FAMILIES = ["llama", "qwen2", "gemma", "gemma2", "gpt2"]
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda w: f"world{w}")
+def results(request):
+    return request.param, run_cases("fast_layers.py", request.param)
+
+
+def _assert_trains_like_reference(world, r, tol=1e-5):
+    assert r["loss_rel"] <= tol and r["grad_rel"] <= tol and r["param_abs"] <= tol, f"world {world}: {r}"
+
+
+@pytest.mark.parametrize("name", COMPILED)
+def test_compiled_blocks_train_like_the_unwrapped_model(results, name):
+    world, r = case(results, name)
+    _assert_trains_like_reference(world, r)
+
+
+def test_blocks_of_one_class_share_their_compilation(results):
+    world, r = case(results, "compiled_graphs_shared")
+    assert r["graphs_3_blocks"] >= 1 and r["graphs_6_blocks"] == r["graphs_3_blocks"], f"world {world}: {r}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loss_without_logits_matches_transformers(results, family):
+    world, r = case(results, f"head_loss_{family}")
+    _assert_trains_like_reference(world, r)
+    assert all(r["logits_none"]), "a training call with labels returned logits"
+
+
+def test_loss_without_logits_divides_by_the_trainers_item_count(results):
+    world, r = case(results, "head_loss_items_in_batch")
+    _assert_trains_like_reference(world, r)
+
+
+def test_keep_logits_runs_transformers_loss(results):
+    world, r = case(results, "head_loss_kept_logits")
+    assert r["logits_none"] == [False]
+    assert r["loss_rel"] <= 1e-6 and r["grad_rel"] <= 1e-5, f"world {world}: {r}"
+
+
+# --- one process ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def world():
+    if not bmt.engine.dist.is_initialized():
+        bmt.init_distributed(seed=0)
+
+
+def tiny_llama(layers=2):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _train(model, steps=2):
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, bmt.full_state_dict(model)
+
+
+def _max_gap(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_inductor_compiled_blocks_match_eager(world):
+    """The default backend, generating and running its own kernels (C++ on the CPU)."""
+    eager = bmt.wrap(tiny_llama(), compile=False, checkpoint=True)
+    compiled = bmt.wrap(tiny_llama(), compile=True, checkpoint=True)
+    (eager_losses, eager_state), (losses, state) = _train(eager), _train(compiled)
+    assert losses == pytest.approx(eager_losses, rel=1e-5)
+    assert _max_gap(state, eager_state) <= 1e-5
+
+
+def _failing_backend(graph, example_inputs):
+    raise RuntimeError("this backend compiles nothing")
+
+
+def test_a_block_that_does_not_compile_runs_eagerly_with_one_warning(world):
+    eager = bmt.wrap(tiny_llama(), compile=False)
+    failing = bmt.wrap(tiny_llama(), compile={"backend": _failing_backend})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses, state = _train(failing)
+    messages = [str(w.message) for w in caught if "did not compile" in str(w.message)]
+    assert len(messages) == 2, messages  # one per block, once: the next step runs eagerly without asking again
+    assert "model.layers.0" in messages[0] and "this backend compiles nothing" in messages[0]
+    eager_losses, eager_state = _train(eager)
+    assert losses == pytest.approx(eager_losses, rel=1e-6) and _max_gap(state, eager_state) <= 1e-6
+
+
+def test_a_model_error_is_raised_as_eager_mode_raises_it(world):
+    model = bmt.wrap(tiny_llama(), compile={"backend": "aot_eager"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(Exception, match="size|shape|dimension"):
+            model(input_ids=torch.zeros(2, 10, 3, dtype=torch.long))
+    assert not [w for w in caught if "did not compile" in str(w.message)]
+
+
+def test_compile_options():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert compile_options("auto", cpu) is None and compile_options(False, cuda) is None
+    assert compile_options(True, cpu) == {}
+    assert compile_options({"mode": "max-autotune"}, cpu) == {"mode": "max-autotune"}
+    with pytest.raises(ValueError, match="compile must be True, False, 'auto' or a dict"):
+        compile_options("fast", cpu)
+
+
+def test_calls_in_evaluation_or_without_gradients_or_labels_return_logits(world):
+    ref = tiny_llama()
+    model = bmt.wrap(copy.deepcopy(ref))
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        out, expect = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    assert out.logits is not None and torch.allclose(out.logits, expect.logits, atol=1e-5)
+    assert out.loss.item() == pytest.approx(expect.loss.item(), rel=1e-6)
+    assert model(input_ids=ids).logits.shape == (2, 10, 64)
+    model.eval()  # evaluation mode, with gradients: transformers' loss and logits too
+    assert model(input_ids=ids, labels=ids).logits.shape == (2, 10, 64)
+    model.train()
+    trained = model(input_ids=ids, labels=ids)
+    assert trained.logits is None and list(trained.keys())[0] == "loss"
+    assert trained.to_tuple()[0] is trained.loss
+
+
+def test_labels_of_another_shape_are_named(world):
+    model = bmt.wrap(tiny_llama())
+    ids = torch.randint(0, 64, (2, 10))
+    with pytest.raises(ValueError, match="labels hold 18 tokens but the model's last hidden state 20"):
+        model(input_ids=ids, labels=ids[:, :9])
+
+
+def test_a_subclass_with_its_own_forward_keeps_transformers_loss(world):
+    class Scaled(transformers.LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    torch.manual_seed(0)
+    model = bmt.wrap(Scaled(tiny_llama().config))
+    ids = torch.randint(0, 64, (2, 10))
+    assert model(input_ids=ids, labels=ids).logits is not None
