@@ -90,7 +90,7 @@ def train(run: Callable[[torch.Tensor], torch.Tensor], batches: List[torch.Tenso
 
 
 def bmtwrap_run(config, weights, batches, lr, rank, world, device) -> List[float]:
-    model = bmt.wrap(new_model(config, weights, torch.bfloat16, device), checkpoint=True)
+    model = bmt.wrap(new_model(config, weights, torch.bfloat16, device), checkpoint=True)  # compiled on GPUs
     optimizer = bmt.optim.AdamOptimizer(model.parameters(), lr=lr, weight_decay=0.0)
 
     def step(ids: torch.Tensor) -> torch.Tensor:

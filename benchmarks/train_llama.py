@@ -65,6 +65,14 @@ def host_huge_pages_gib() -> float:
     return round(kib / 2**20, 2)
 
 
+def compiled_blocks(model: torch.nn.Module) -> str:
+    """How many blocks run compiled (what compile="auto" chose), as "compiled/blocks"."""
+    forwards = [module.forward for module in model.modules() if hasattr(module.forward, "block_runner")]
+    bodies = [getattr(f, "compiled_body", None) for f in forwards]
+    compiled = sum(1 for body in bodies if body is not None and not body.is_eager())
+    return f"{compiled}/{len(forwards)}"
+
+
 def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> torch.Tensor:
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
@@ -109,14 +117,26 @@ def profile_step(run: Callable[[], Any]) -> Dict[str, float]:
                 gpu_copy_pct=round(100 * copied / wall, 1), longest_gpu_gap_s=round(gap, 4))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--size", default="1b", choices=sorted(SIZES))
+def add_shape_arguments(parser: argparse.ArgumentParser, sizes: Dict[str, Any]) -> None:
+    """The options every throughput benchmark takes: the model, the batch and the steps timed."""
+    parser.add_argument("--size", default="1b", choices=sorted(sizes))
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    add_shape_arguments(parser, SIZES)
     parser.add_argument("--checkpoint", default="true", choices=["true", "false", "auto"])
+    parser.add_argument("--compile", default="auto", choices=["true", "false", "auto"],
+                        help="wrap(compile=...): torch.compile each block's forward")
+    parser.add_argument("--keep-logits", action="store_true",
+                        help="wrap(keep_logits=True): transformers' loss over the whole fp32 logits")
+    parser.add_argument("--loss-peak", action="store_true",
+                        help="also report the peak from the step's start until the loss's backward reaches the "
+                             "final norm (the forward and the loss, both ways)")
     parser.add_argument("--max-gpu-memory", default=None, help="wrap(max_gpu_memory=...), e.g. 21GiB")
     parser.add_argument("--zero-level", type=int, default=3, choices=[2, 3])
     parser.add_argument("--optimizer", default="adam", choices=["adam", "offload", "offload-in-backward", "torch"])
@@ -148,9 +168,11 @@ def main() -> None:
     offloading = args.optimizer.startswith("offload")
     planned = bmt.plan(model, world_size=ctx.world_size, checkpoint=checkpoint, batch_size=args.batch, seq_len=args.seq,
                        offload_optimizer=offloading, offload_fraction=fraction if offloading and fraction != "auto" else 1.0,
-                       offload_params=args.offload_params, max_gpu_memory=args.max_gpu_memory).memory
+                       offload_params=args.offload_params, max_gpu_memory=args.max_gpu_memory,
+                       keep_logits=args.keep_logits).memory
+    compile_option = {"true": True, "false": False, "auto": "auto"}[args.compile]
     model = bmt.wrap(model, checkpoint=checkpoint, offload_params=args.offload_params,
-                     max_gpu_memory=args.max_gpu_memory)
+                     max_gpu_memory=args.max_gpu_memory, keep_logits=args.keep_logits, compile=compile_option)
     bmt.materialize(model)
     model.train()
     optimizer = {
@@ -166,8 +188,12 @@ def main() -> None:
 
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq),
                         generator=torch.Generator().manual_seed(ctx.rank)).to(ctx.device)
+    loss_peaks: List[float] = []
+    if args.loss_peak:
+        model.model.norm.register_full_backward_pre_hook(
+            lambda module, grad: loss_peaks.append(torch.cuda.max_memory_allocated() / 2**30))
     torch.cuda.reset_peak_memory_stats()
-    times, peaks, reserved, used = [], [], [], []
+    times, peaks, reserved, used, first_step_s = [], [], [], [], None
     gauge = CudaGauge(ctx.device)
     for i in range(args.warmup + args.steps):
         if i == args.warmup and offloading:
@@ -178,6 +204,8 @@ def main() -> None:
         torch.cuda.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
+        if i == 0:
+            first_step_s = time.perf_counter() - start  # with compile: the blocks' compilation
         peaks.append(torch.cuda.max_memory_allocated())
         reserved.append(torch.cuda.max_memory_reserved())
         used.append(gauge.reserved_peak() + gauge.outside_allocator())  # what nvidia-smi shows at most
@@ -202,6 +230,8 @@ def main() -> None:
     bmt.print_rank("RESULT " + json.dumps(dict(
         system="bmtwrap", size=args.size, world=ctx.world_size, batch=args.batch, seq=args.seq, params=params,
         activation_checkpointing=args.checkpoint, zero_level=args.zero_level, optimizer=args.optimizer,
+        compile=args.compile, compiled=compiled_blocks(model), keep_logits=args.keep_logits,
+        first_step_s=round(first_step_s, 1),
         offload_threads=args.offload_threads,
         offload_fraction=round(optimizer.offload_fraction, 3) if offloading else args.offload_fraction,
         offload_params=args.offload_params, step_s=round(step_s, 4), tok_s_gpu=round(tokens / step_s, 1),
@@ -210,7 +240,7 @@ def main() -> None:
         used_gib=round(max(used) / 2**30, 2), max_gpu_memory=args.max_gpu_memory,
         auto_kept_blocks=auto.report.get("kept_blocks") if auto is not None else None,
         auto_predicted_gib=round(auto.report["predicted_peak_bytes"] / 2**30, 2) if auto and auto.report else None,
-        step_peaks_gib=[round(p / 2**30, 1) for p in peaks],
+        step_peaks_gib=[round(p / 2**30, 1) for p in peaks], loss_peaks_gib=[round(p, 2) for p in loss_peaks],
         loss=round(loss.item(), 4),
         plan_gib=round(planned.total / 2**30, 2), plan_host_gib=round(planned.host / 2**30, 2),
         host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2), **cpu, **busy,

@@ -1,0 +1,182 @@
+"""The FSDP2 peer of ``benchmarks/train_llama.py``: torch's ``fully_shard`` training the same HF Llama shapes.
+
+    torchrun --nproc_per_node=2 benchmarks/fsdp2_peer.py --size 8b --batch 2 --seq 4096 [--compile]
+
+The baseline for bmtwrap's ``wrap(compile=...)`` rows: ``--compile`` compiles each decoder layer's
+forward with ``torch.compile`` (regional compilation, row ``fsdp2-compile``); without it the layers run
+eagerly (row ``fsdp2``).
+
+The peers' protocol: the model is built on the meta device, ``fully_shard`` is applied to every
+decoder layer and then to the root, and the shards are initialised on the device. Parameters are
+gathered in bf16 (fp32 on a CPU) and gradients reduced in fp32; the fp32 shards are updated by torch's
+AdamW (fused on a GPU). Full activation checkpointing through transformers (``--no-checkpoint`` turns it
+off). Random token ids, labels = inputs; the median step time of ``--steps`` steps after ``--warmup``,
+and the first step's time apart (compilation included). Model FLOPs per token as train_llama counts
+them, against its peak. Prints one line, ``RESULT {json}``, with train_llama's fields.
+
+A ``tiny`` size runs on CPUs (gloo) for a smoke test; there ``--compile-backend aot_eager`` skips
+inductor's C++ compiler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import statistics
+import time
+from typing import Any, Callable, List, NamedTuple, Tuple
+
+import torch
+import torch.distributed as dist
+import transformers
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from train_llama import PEAK_FLOPS, add_shape_arguments, flops_per_token
+from train_llama import SIZES as TRAIN_SIZES
+
+SIZES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True),
+    **TRAIN_SIZES,
+}
+
+
+class Timing(NamedTuple):
+    first_s: float  # the first step, compilation included
+    median_s: float  # the median of the timed steps
+    loss: float  # the last step's
+
+
+def build(size: str, seq: int) -> Tuple[transformers.LlamaConfig, transformers.LlamaForCausalLM]:
+    config = transformers.LlamaConfig(max_position_embeddings=max(seq, 128), attn_implementation="sdpa",
+                                      **SIZES[size])
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    return config, model
+
+
+def checkpointed(layer: torch.nn.Module, run: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``run`` (the layer's compiled forward) under the checkpoint function transformers gave the layer."""
+
+    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if layer.gradient_checkpointing and layer.training:
+            return layer._gradient_checkpointing_func(functools.partial(run, **kwargs), *args)
+        return run(*args, **kwargs)
+
+    return forward
+
+
+def compile_layers(model: transformers.LlamaForCausalLM, backend: str) -> None:
+    """Compile each decoder layer's forward alone: FSDP2's gathers run in the module's hooks, outside the compiled
+    code, and activation checkpointing wraps the compiled call. Call it before ``fully_shard``.
+
+    Where transformers checkpoints a layer in ``GradientCheckpointingLayer.__call__`` (up to 5.22), that call
+    runs the module's hooks and then the instance's ``forward``: compiling the bound forward is enough. From
+    5.23 the checkpoint happens inside the class's ``forward``, a wrapper around the plain forward
+    (``__wrapped__``); compiling the bound ``layer.forward`` would put the checkpoint inside the compiled code,
+    and once ``fully_shard`` has swapped in its subclass (which transformers wraps again) the wrapper no longer
+    counts itself outermost and does not checkpoint at all. So there the plain forward is compiled, and the
+    checkpoint transformers configured is applied around it here.
+    """
+    for layer in model.model.layers:
+        plain = getattr(type(layer).forward, "__wrapped__", None)
+        if plain is None:
+            layer.forward = torch.compile(layer.forward, backend=backend)
+        else:
+            layer.forward = checkpointed(layer, torch.compile(plain.__get__(layer), backend=backend))
+
+
+def shard(model: transformers.LlamaForCausalLM, param_dtype: torch.dtype) -> None:
+    """``fully_shard`` each decoder layer, then the root (the embedding, the final norm and the head)."""
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+
+
+def materialise(model: transformers.LlamaForCausalLM, device: torch.device) -> None:
+    """Allocate the meta-built shards on ``device`` and initialise them as ``from_config`` would, buffers too."""
+    model.to_empty(device=device)
+    with torch.no_grad():
+        # The method's name differs across transformers 5.x.
+        (getattr(model, "initialize_weights", None) or model.init_weights)()
+    model.tie_weights()
+
+
+def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor, *, warmup: int,
+          steps: int) -> Timing:
+    cuda = ids.is_cuda
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times: List[float] = []
+    for _ in range(warmup + steps):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return Timing(first_s=times[0], median_s=statistics.median(times[warmup:]), loss=loss.item())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    add_shape_arguments(parser, SIZES)
+    parser.add_argument("--no-checkpoint", action="store_true", help="keep every layer's activations")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer's forward")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile's backend (aot_eager: no C++ compiler, for a CPU smoke test)")
+    args = parser.parse_args()
+    if args.steps < 1:
+        raise SystemExit(f"--steps {args.steps}: at least one step must be timed")
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    torch.manual_seed(0)
+    config, model = build(args.size, args.seq)
+    per_token = flops_per_token(config, model, args.seq)
+    params = sum(p.numel() for p in model.parameters())
+    checkpoint = not args.no_checkpoint
+    if checkpoint:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.compile:
+        compile_layers(model, args.compile_backend)
+    shard(model, torch.bfloat16 if cuda else torch.float32)
+    materialise(model, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq),
+                        generator=torch.Generator().manual_seed(rank)).to(device)
+    timing = train(model, optimizer, ids, warmup=args.warmup, steps=args.steps)
+    if not math.isfinite(timing.loss):
+        raise SystemExit(f"the loss is {timing.loss} after {args.warmup + args.steps} steps: training is broken, "
+                         "the timings mean nothing")
+    tokens = args.batch * args.seq
+    if rank == 0:
+        print("RESULT " + json.dumps(dict(
+            system="fsdp2-compile" if args.compile else "fsdp2", size=args.size, world=world, batch=args.batch,
+            seq=args.seq, params=params, activation_checkpointing=checkpoint, step_s=round(timing.median_s, 4),
+            tok_s_gpu=round(tokens / timing.median_s, 1),
+            mfu=round(per_token * tokens / timing.median_s / PEAK_FLOPS, 4) if cuda else None,
+            peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+            first_step_s=round(timing.first_s, 4), loss=round(timing.loss, 4),
+        )), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
