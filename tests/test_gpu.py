@@ -156,7 +156,7 @@ def _llama_steps(checkpoint, max_gpu_memory=None, steps=6):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     model = bmt.materialize(bmt.wrap(model, checkpoint=checkpoint, max_gpu_memory=max_gpu_memory))
     optimizer = bmt.optim.AdamOptimizer(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, 32000, (4, 1024), device="cuda")
+    ids = torch.randint(0, 32000, (4, 2048), device="cuda")  # activations of GiBs: compiled blocks save little
     gauge, used = CudaGauge(torch.device("cuda")), []
     for _ in range(steps):
         torch.cuda.reset_peak_memory_stats()
@@ -179,7 +179,9 @@ def test_auto_checkpoint_keeps_what_a_budget_allows_on_one_gpu():
     """checkpoint="auto" under max_gpu_memory: some blocks kept, not all, and no step above the budget; with the
     whole card every block of this small model is kept."""
     checkpointed, _ = _llama_steps(True)
-    budget = int((checkpointed + 3 * 2**30) / 0.96)  # past the 4 % margin, room for a few blocks' activations
+    kept_all, _ = _llama_steps(False)
+    # Past the 4 % margin, room for about half of the blocks' activations.
+    budget = int((checkpointed + (kept_all - checkpointed) / 2) / 0.96)
     used, kept = _llama_steps("auto", max_gpu_memory=budget)
     assert 0 < kept < 8 and used <= budget, (kept, used / 2**30, budget / 2**30)
     _, kept = _llama_steps("auto")

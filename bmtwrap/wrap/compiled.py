@@ -18,6 +18,16 @@ Compilation fuses what a layer runs as many small kernels in eager mode (the RMS
 square, mean, rsqrt and scale; the rotary embedding's halves and products; SwiGLU's ``silu(gate) *
 up``) into a few generated kernels, and saves fewer, smaller tensors for backward.
 
+Activation checkpointing runs the compiled call again in backward and requires it to save the same
+tensors, so forward and recomputation must pick the same graph. Two things could make them differ,
+and both are removed around the compiled call: the forward's on-demand torch-function mode (see
+``engine/on_demand.py``), absent in backward, is taken off the mode stack while the compiled code
+runs (dynamo guards on that stack); and dynamo's reordering of a code object's cache entries by
+last use is turned off, so that when a static and a dynamic-shape graph both fit a call, the same
+one is tried first in both passes. Inside a compiled block, the on-demand mode therefore does not
+see the block's code: a layer that reads another block's parameters fails to compile and runs in
+eager mode, where the mode gathers them.
+
 A block whose compiled forward raises (an operation dynamo or the backend cannot handle) runs that
 call again in eager mode: if that succeeds the block stays eager, with one warning naming it and the
 error; if eager mode raises too, the error is the model's and eager mode's is raised. Running out of
@@ -29,11 +39,15 @@ there, compiling a layer takes seconds to minutes and gains little.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
-from typing import Any, Callable, Dict, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Union
 
 import torch
+from torch.overrides import _get_current_function_mode, _pop_mode_temporarily
+
+from ..engine.on_demand import OnDemandGathers
 
 __all__ = ["CompileOption", "compile_options", "compiled_forward"]
 
@@ -74,6 +88,20 @@ def compile_options(option: CompileOption, device: torch.device) -> Optional[Dic
     raise ValueError(f"compile must be True, False, 'auto' or a dict of torch.compile options, got {option!r}")
 
 
+@contextlib.contextmanager
+def _same_as_in_backward() -> Iterator[None]:
+    """The state a block's recomputation in backward runs in: without the forward's on-demand mode, and with
+    dynamo's cache entries tried in a fixed order (see [Note: compiled blocks])."""
+    set_lru = getattr(torch._C._dynamo.eval_frame, "_set_lru_cache", None)
+    if set_lru is not None:
+        set_lru(False)
+    if isinstance(_get_current_function_mode(), OnDemandGathers):
+        with _pop_mode_temporarily():
+            yield
+    else:
+        yield
+
+
 def compiled_forward(forward: Callable[..., Any], name: str, options: Dict[str, Any]) -> Callable[..., Any]:
     """``forward`` compiled with ``torch.compile(**options)``, falling back to eager mode for good when a
     compiled call raises and the eager call does not (see [Note: compiled blocks])."""
@@ -90,7 +118,7 @@ def compiled_forward(forward: Callable[..., Any], name: str, options: Dict[str, 
             # Guards on the modules' hooks, which dynamo skips by default: a block with hooks added later (or a
             # model with hooks where another of the same class had none) compiles anew instead of running
             # graphs traced without them.
-            with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
+            with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False), _same_as_in_backward():
                 return compiled(*args, **kwargs)
         except _NOT_COMPILATION:
             raise
