@@ -23,8 +23,8 @@ tensors, so forward and recomputation must pick the same graph. Two things could
 and both are removed around the compiled call: the forward's on-demand torch-function mode (see
 ``engine/on_demand.py``), absent in backward, is taken off the mode stack while the compiled code
 runs (dynamo guards on that stack); and dynamo's reordering of a code object's cache entries by
-last use is turned off, so that when a static and a dynamic-shape graph both fit a call, the same
-one is tried first in both passes. Inside a compiled block, the on-demand mode therefore does not
+last use is turned off for the process once a block is compiled, so that when a static and a
+dynamic-shape graph both fit a call, the same one is tried first in both passes. Inside a compiled block, the on-demand mode therefore does not
 see the block's code: a layer that reads another block's parameters fails to compile and runs in
 eager mode, where the mode gathers them.
 
@@ -88,13 +88,17 @@ def compile_options(option: CompileOption, device: torch.device) -> Optional[Dic
     raise ValueError(f"compile must be True, False, 'auto' or a dict of torch.compile options, got {option!r}")
 
 
-@contextlib.contextmanager
-def _same_as_in_backward() -> Iterator[None]:
-    """The state a block's recomputation in backward runs in: without the forward's on-demand mode, and with
-    dynamo's cache entries tried in a fixed order (see [Note: compiled blocks])."""
+def _fix_cache_order() -> None:
+    """Dynamo tries a code object's cache entries in a fixed order from now on, in this process (see [Note:
+    compiled blocks]); a torch without the switch keeps its order."""
     set_lru = getattr(torch._C._dynamo.eval_frame, "_set_lru_cache", None)
     if set_lru is not None:
         set_lru(False)
+
+
+@contextlib.contextmanager
+def _same_as_in_backward() -> Iterator[None]:
+    """The state a block's recomputation in backward runs in: without the forward's on-demand mode."""
     if isinstance(_get_current_function_mode(), OnDemandGathers):
         with _pop_mode_temporarily():
             yield
@@ -105,9 +109,9 @@ def _same_as_in_backward() -> Iterator[None]:
 def compiled_forward(forward: Callable[..., Any], name: str, options: Dict[str, Any]) -> Callable[..., Any]:
     """``forward`` compiled with ``torch.compile(**options)``, falling back to eager mode for good when a
     compiled call raises and the eager call does not (see [Note: compiled blocks])."""
+    _fix_cache_order()
     compiled = torch.compile(forward, **options)
     state = {"eager": False}
-
     module = getattr(forward, "__self__", None)
 
     @functools.wraps(forward)

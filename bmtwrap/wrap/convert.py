@@ -334,8 +334,8 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
             CUDA when triton is available, not on the CPU), ``True``, ``False``, or a dict of
             ``torch.compile`` options (``{"mode": "max-autotune"}``, ``{"backend": "aot_eager"}``).
             Blocks of the same shapes share one compilation, which the first training step pays
-            (tens of seconds for a 7B-class layer); a block that fails to compile runs in eager
-            mode with one warning. See [Note: compiled blocks] in ``bmtwrap/wrap/compiled.py``.
+            (a few seconds for an 8B-class layer on an H100); a block that fails to compile runs in
+            eager mode with one warning. See [Note: compiled blocks] in ``bmtwrap/wrap/compiled.py``.
 
     Returns:
         ``model`` itself. Calling ``wrap`` again on a wrapped model with the same options is a
