@@ -33,8 +33,9 @@ call again in eager mode: if that succeeds the block stays eager, with one warni
 error; if eager mode raises too, the error is the model's and eager mode's is raised. Running out of
 memory is not a compilation failure and is raised as it is.
 
-``compile="auto"`` (the default) compiles on CUDA when triton is importable, and leaves the CPU eager:
-there, compiling a layer takes seconds to minutes and gains little.
+``compile="auto"`` (the default) compiles on CUDA when triton is importable (on H100s: +15 % at 8B and
++24 % at 1B, for a first step a few seconds longer), and leaves the CPU eager: on two cores a Llama of
+four 512-wide layers ran 5 % faster compiled, after a first step of 17 s instead of 1.3 s.
 """
 
 from __future__ import annotations
