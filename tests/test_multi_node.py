@@ -1,0 +1,56 @@
+"""Several torchrun agents, as on several machines: two agents of two processes each meet through a c10d
+rendezvous on localhost (gloo) and train exactly as one agent with four processes does."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from launch import ROOT, TESTS, _free_port
+
+SCRIPT = TESTS / "dist_cases" / "multi_node.py"
+
+
+def _env():
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")]))
+
+
+def _torchrun(*options):
+    return [sys.executable, "-m", "torch.distributed.run", *options]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    with tempfile.TemporaryDirectory() as tmp:
+        one, two = Path(tmp) / "one.json", Path(tmp) / "two.json"
+        single = subprocess.run(_torchrun("--nproc_per_node=4", "--master_addr=127.0.0.1",
+                                          f"--master_port={_free_port()}", str(SCRIPT), str(one)),
+                                env=_env(), capture_output=True, text=True, timeout=600)
+        assert single.returncode == 0, (single.stdout + single.stderr)[-6000:]
+        endpoint = f"127.0.0.1:{_free_port()}"
+        # The same command on every "node": the rendezvous assigns the node ranks.
+        command = _torchrun("--nnodes=2", "--nproc_per_node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+                            "--rdzv-id=multi-node-test", str(SCRIPT), str(two))
+        agents = [subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                  for _ in range(2)]
+        outputs = [agent.communicate(timeout=600)[0] for agent in agents]
+        assert all(agent.returncode == 0 for agent in agents), "\n".join(o[-4000:] for o in outputs)
+        yield json.loads(one.read_text()), json.loads(two.read_text())
+
+
+def test_two_agents_train_exactly_like_one(runs):
+    one, two = runs
+    assert two["train"]["losses"] == one["train"]["losses"]
+    assert two["train"]["digest"] == one["train"]["digest"]
+
+
+def test_two_agents_form_one_world_of_two_nodes(runs):
+    _, two = runs
+    ranks = two["where"]["ranks"]
+    assert [r[0] for r in ranks] == [0, 1, 2, 3]
+    assert sorted((r[2], r[1]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]  # (node, local rank)
