@@ -25,11 +25,18 @@ and both are removed around the compiled call: the forward's on-demand torch-fun
 runs (dynamo guards on that stack); and dynamo's reordering of a code object's cache entries by
 last use is turned off for the process once a block is compiled, so that when a static and a
 dynamic-shape graph both fit a call, the same one is tried first in both passes. Inside a compiled block, the on-demand mode therefore does not
-see the block's code: a layer that reads another block's parameters fails to compile and runs in
-eager mode, where the mode gathers them.
+see the block's code; a mode of its own, there in both passes, raises at tracing when a torch
+function receives a sharded parameter (inside a running block, another block's: its own are full
+views). So a layer that reads another block's parameters fails to compile on every rank alike,
+whatever each rank's piece of that parameter, and runs in eager mode, where the on-demand mode
+gathers them. (Without that check, a rank whose piece happened to have the full shape would run
+the compiled code while the others fell back and gathered: a hang.)
 
-A block whose compiled forward raises (an operation dynamo or the backend cannot handle) runs that
-call again in eager mode: if that succeeds the block stays eager, with one warning naming it and the
+A block compiles whole (``fullgraph=True`` unless the options say otherwise) or not at all: a graph
+break would run part of the block eagerly, and if a later part failed, what that part saved for
+backward would stay in the checkpoint beside the eager rerun's. A block whose compiled forward
+raises (an operation dynamo or the backend cannot handle, a graph break) runs that call again in
+eager mode: if that succeeds the block stays eager, with one warning naming it and the
 error; if eager mode raises too, the error is the model's and eager mode's is raised. Running out of
 memory is not a compilation failure and is raised as it is.
 
@@ -46,9 +53,11 @@ import warnings
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Union
 
 import torch
-from torch.overrides import _get_current_function_mode, _pop_mode_temporarily
+from torch import nn
+from torch.overrides import TorchFunctionMode, _get_current_function_mode, _pop_mode_temporarily
 
 from ..engine.on_demand import OnDemandGathers
+from ..engine.schedule import engine
 
 __all__ = ["CompileOption", "compile_options", "compiled_forward"]
 
@@ -59,6 +68,10 @@ try:
 except ImportError:  # a torch without early stopping never raises it
     class _StopRecomputation(Exception):  # type: ignore[no-redef]
         pass
+
+# A block compiles whole or not at all: a graph break would run part of it eagerly before a later part failed,
+# and what that part saved for backward would stay in the checkpoint beside the eager rerun's.
+WHOLE = {"fullgraph": True}
 
 # Raised through a compiled call as they are: not compilation failures.
 _NOT_COMPILATION = (torch.OutOfMemoryError, _StopRecomputation)
@@ -81,11 +94,11 @@ def compile_options(option: CompileOption, device: torch.device) -> Optional[Dic
     if option is False:
         return None
     if option == "auto":
-        return {} if device.type == "cuda" and _triton_available() else None
+        return dict(WHOLE) if device.type == "cuda" and _triton_available() else None
     if option is True:
-        return {}
+        return dict(WHOLE)
     if isinstance(option, Mapping):
-        return dict(option)
+        return {**WHOLE, **option}
     raise ValueError(f"compile must be True, False, 'auto' or a dict of torch.compile options, got {option!r}")
 
 
@@ -97,13 +110,34 @@ def _fix_cache_order() -> None:
         set_lru(False)
 
 
+class ForeignParameter(RuntimeError):
+    """A compiled block's code reached a sharded parameter of another block (see [Note: compiled blocks])."""
+
+
+class _OwnParametersOnly(TorchFunctionMode):
+    """Raises when a torch function receives a parameter the engine holds sharded: inside a running block its own
+    parameters are full views, so such a parameter is another block's. Dynamo traces through it, so the check
+    costs nothing at run time and fails the compilation on every rank alike, whatever each rank's piece."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        lookup = engine().registry.lookup
+        for value in (*args, *kwargs.values()):
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(item, nn.Parameter) and lookup(item) is not None:
+                    raise ForeignParameter(f"{getattr(func, '__name__', func)} received a sharded parameter of "
+                                           "another block")
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def _same_as_in_backward() -> Iterator[None]:
-    """The state a block's recomputation in backward runs in: without the forward's on-demand mode."""
+    """The same torch-function modes in forward as in the recomputation in backward: the forward's on-demand
+    mode taken off, the check for other blocks' parameters on."""
+    popped = contextlib.nullcontext()
     if isinstance(_get_current_function_mode(), OnDemandGathers):
-        with _pop_mode_temporarily():
-            yield
-    else:
+        popped = _pop_mode_temporarily()
+    with popped, _OwnParametersOnly():
         yield
 
 

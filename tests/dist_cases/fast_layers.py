@@ -141,6 +141,20 @@ def compiled_graphs_shared() -> Dict[str, Any]:
     return {"graphs_3_blocks": graphs[3], "graphs_6_blocks": graphs[6]}
 
 
+def compiled_cross_block() -> Dict[str, Any]:
+    """A layer that reads another block's parameter: it cannot compile that way and runs in eager mode, where the
+    on-demand gathers give it the full parameter."""
+    import warnings
+
+    from robustness import CrossBlock, train_pair
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = train_pair(CrossBlock, compile=AOT)
+    result["fallbacks"] = sum("did not compile" in str(w.message) for w in caught)
+    return result
+
+
 def head_loss(family: str) -> Dict[str, Any]:
     ref = _reference(family)
     model = bmt.wrap(copy.deepcopy(ref), compile=False)
@@ -168,6 +182,7 @@ CASES = {
     "compiled_frozen_and_hooked": compiled_frozen_and_hooked,
     "compiled_lora": compiled_lora,
     "compiled_graphs_shared": compiled_graphs_shared,
+    "compiled_cross_block": compiled_cross_block,
     **{f"head_loss_{family}": (lambda family=family: head_loss(family)) for family in FAMILIES},
     "head_loss_items_in_batch": head_loss_items_in_batch,
     "head_loss_kept_logits": head_loss_kept_logits,

@@ -76,10 +76,10 @@ class CrossBlock(nn.Module):
         return x
 
 
-def train_pair(make: Callable[[], nn.Module], steps: int = 3) -> Dict[str, Any]:
+def train_pair(make: Callable[[], nn.Module], steps: int = 3, **options: Any) -> Dict[str, Any]:
     torch.manual_seed(21)
     ref = make()
-    model = bmt.wrap(copy.deepcopy(ref))
+    model = bmt.wrap(copy.deepcopy(ref), **options)
     rank, world = bmt.rank(), bmt.world_size()
     opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(6, 8, generator=torch.Generator().manual_seed(22))
