@@ -128,6 +128,37 @@ def test_a_block_that_does_not_compile_runs_eagerly_with_one_warning(world):
     assert losses == pytest.approx(eager_losses, rel=1e-6) and _max_gap(state, eager_state) <= 1e-6
 
 
+class _Breaking(torch.nn.Module):
+    """A layer dynamo cannot trace as one graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = torch.tanh(self.linear(x))
+        torch._dynamo.graph_break()
+        return x * 2
+
+
+def test_a_block_with_a_graph_break_compiles_in_pieces(world):
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(*[_Breaking() for _ in range(3)])
+    model = bmt.wrap(copy.deepcopy(ref), compile={"backend": "aot_eager"})
+    x = torch.randn(4, 8)
+    counters.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (model(x) ** 2).mean().backward()
+    assert not [w for w in caught if "did not compile" in str(w.message)]
+    assert counters["stats"]["unique_graphs"] >= 2  # two pieces per layer
+    (ref(x) ** 2).mean().backward()
+    grads = bmt.full_grad_dict(model)
+    assert max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters()) <= 1e-6
+
+
 def test_a_model_error_is_raised_as_eager_mode_raises_it(world):
     model = bmt.wrap(tiny_llama(), compile={"backend": "aot_eager"})
     with warnings.catch_warnings(record=True) as caught:

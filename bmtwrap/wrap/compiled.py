@@ -32,9 +32,11 @@ whatever each rank's piece of that parameter, and runs in eager mode, where the 
 gathers them. (Without that check, a rank whose piece happened to have the full shape would run
 the compiled code while the others fell back and gathered: a hang.)
 
-A block compiles whole (``fullgraph=True`` unless the options say otherwise) or not at all: a graph
-break would run part of the block eagerly, and if a later part failed, what that part saved for
-backward would stay in the checkpoint beside the eager rerun's. A block whose compiled forward
+A block is first compiled whole (``fullgraph=True`` unless the options say otherwise): a graph
+break runs part of the block eagerly, and if a later part failed, what that part saved for
+backward would stay in the checkpoint beside the eager rerun's. A block that does not trace as one
+graph (dynamo refuses before anything runs) is compiled again in pieces, as ``torch.compile`` does
+by default. A block whose compiled forward
 raises (an operation dynamo or the backend cannot handle, a graph break) runs that call again in
 eager mode: if that succeeds the block stays eager, with one warning naming it and the
 error; if eager mode raises too, the error is the model's and eager mode's is raised. Running out of
@@ -69,8 +71,8 @@ except ImportError:  # a torch without early stopping never raises it
     class _StopRecomputation(Exception):  # type: ignore[no-redef]
         pass
 
-# A block compiles whole or not at all: a graph break would run part of it eagerly before a later part failed,
-# and what that part saved for backward would stay in the checkpoint beside the eager rerun's.
+# A block is compiled whole first: a graph break runs part of it eagerly, and if a later part then failed, what
+# that part saved for backward would stay in the checkpoint beside the eager rerun's.
 WHOLE = {"fullgraph": True}
 
 # Raised through a compiled call as they are: not compilation failures.
@@ -141,28 +143,47 @@ def _same_as_in_backward() -> Iterator[None]:
         yield
 
 
+def _graph_break(error: Exception) -> bool:
+    """Whether ``error`` is dynamo refusing to trace a block in one graph (not the code raising while traced)."""
+    unsupported = getattr(getattr(torch._dynamo, "exc", None), "Unsupported", ())
+    return isinstance(error, unsupported) and "Observed exception" not in str(error)
+
+
 def compiled_forward(forward: Callable[..., Any], name: str, options: Dict[str, Any]) -> Callable[..., Any]:
-    """``forward`` compiled with ``torch.compile(**options)``, falling back to eager mode for good when a
-    compiled call raises and the eager call does not (see [Note: compiled blocks])."""
+    """``forward`` compiled with ``torch.compile(**options)``; in pieces when it does not trace as one graph; in
+    eager mode for good when a compiled call raises and the eager call does not (see [Note: compiled blocks])."""
     _fix_cache_order()
-    compiled = torch.compile(forward, **options)
-    state = {"eager": False}
+    state = {"compiled": torch.compile(forward, **options), "eager": False,
+             "pieces": not options.get("fullgraph", False)}
     module = getattr(forward, "__self__", None)
+
+    def attempt(args: Any, kwargs: Any) -> Any:
+        # Guards on the modules' hooks, which dynamo skips by default: a block with hooks added later (or a model
+        # with hooks where another of the same class had none) compiles anew instead of running graphs traced
+        # without them.
+        with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False), _same_as_in_backward():
+            return state["compiled"](*args, **kwargs)
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         if state["eager"] or not torch.is_grad_enabled() or not getattr(module, "training", True):
             return forward(*args, **kwargs)
         try:
-            # Guards on the modules' hooks, which dynamo skips by default: a block with hooks added later (or a
-            # model with hooks where another of the same class had none) compiles anew instead of running
-            # graphs traced without them.
-            with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False), _same_as_in_backward():
-                return compiled(*args, **kwargs)
+            return attempt(args, kwargs)
         except _NOT_COMPILATION:
             raise
         except Exception as error:
             failure = error
+        if _graph_break(failure) and not state["pieces"]:
+            # Refused before anything ran: compile in pieces, with graph breaks, as torch.compile does by default.
+            state["pieces"] = True
+            state["compiled"] = torch.compile(forward, **{**options, "fullgraph": False})
+            try:
+                return attempt(args, kwargs)
+            except _NOT_COMPILATION:
+                raise
+            except Exception as error:
+                failure = error
         out = forward(*args, **kwargs)  # eager mode's own error, if it has one, is the one raised
         state["eager"] = True
         message = " ".join(str(failure).split())
@@ -171,6 +192,5 @@ def compiled_forward(forward: Callable[..., Any], name: str, options: Dict[str, 
                       RuntimeWarning, stacklevel=2)
         return out
 
-    run.compiled = compiled
     run.is_eager = lambda: state["eager"]
     return run
