@@ -22,15 +22,15 @@ Activation checkpointing runs the compiled call again in backward and requires i
 tensors, so forward and recomputation must pick the same graph. Two things could make them differ,
 and both are removed around the compiled call: the forward's on-demand torch-function mode (see
 ``engine/on_demand.py``), absent in backward, is taken off the mode stack while the compiled code
-runs (dynamo guards on that stack); and dynamo's reordering of a code object's cache entries by
-last use is turned off for the process once a block is compiled, so that when a static and a
-dynamic-shape graph both fit a call, the same one is tried first in both passes. Inside a compiled block, the on-demand mode therefore does not
-see the block's code; a mode of its own, there in both passes, raises at tracing when a torch
-function receives a sharded parameter (inside a running block, another block's: its own are full
-views). So a layer that reads another block's parameters fails to compile on every rank alike,
-whatever each rank's piece of that parameter, and runs in eager mode, where the on-demand mode
-gathers them. (Without that check, a rank whose piece happened to have the full shape would run
-the compiled code while the others fell back and gathered: a hang.)
+runs (dynamo guards on that stack); and dynamo's reordering of a code object's cache entries by last
+use is turned off for the process once a block is compiled, so that when a static and a
+dynamic-shape graph both fit a call, the same one is tried first in both passes. Inside a compiled
+block, the on-demand mode therefore does not see the block's code; a mode of its own, there in both
+passes, raises at tracing when a torch function receives a sharded parameter (inside a running
+block, another block's: its own are full views). So a layer that reads another block's parameters
+fails to compile on every rank alike, whatever each rank's piece of that parameter, and runs in
+eager mode, where the on-demand mode gathers them. (Without that check, a rank whose piece happened
+to have the full shape would run the compiled code while the others fell back and gathered: a hang.)
 
 A block is first compiled whole (``fullgraph=True`` unless the options say otherwise): a graph
 break runs part of the block eagerly, and if a later part failed, what that part saved for
@@ -52,7 +52,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -157,33 +157,31 @@ def compiled_forward(forward: Callable[..., Any], name: str, options: Dict[str, 
              "pieces": not options.get("fullgraph", False)}
     module = getattr(forward, "__self__", None)
 
-    def attempt(args: Any, kwargs: Any) -> Any:
-        # Guards on the modules' hooks, which dynamo skips by default: a block with hooks added later (or a model
-        # with hooks where another of the same class had none) compiles anew instead of running graphs traced
-        # without them.
-        with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False), _same_as_in_backward():
-            return state["compiled"](*args, **kwargs)
+    def attempt(args: Any, kwargs: Any) -> Tuple[Any, Optional[Exception]]:
+        """(the compiled call's output, None), or (None, what it raised) when that is a failure to compile."""
+        try:
+            # Guards on the modules' hooks, which dynamo skips by default: a block with hooks added later (or a
+            # model with hooks where another of the same class had none) compiles anew instead of running graphs
+            # traced without them.
+            with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False), _same_as_in_backward():
+                return state["compiled"](*args, **kwargs), None
+        except _NOT_COMPILATION:
+            raise
+        except Exception as error:
+            return None, error
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         if state["eager"] or not torch.is_grad_enabled() or not getattr(module, "training", True):
             return forward(*args, **kwargs)
-        try:
-            return attempt(args, kwargs)
-        except _NOT_COMPILATION:
-            raise
-        except Exception as error:
-            failure = error
-        if _graph_break(failure) and not state["pieces"]:
+        out, failure = attempt(args, kwargs)
+        if failure is not None and _graph_break(failure) and not state["pieces"]:
             # Refused before anything ran: compile in pieces, with graph breaks, as torch.compile does by default.
             state["pieces"] = True
             state["compiled"] = torch.compile(forward, **{**options, "fullgraph": False})
-            try:
-                return attempt(args, kwargs)
-            except _NOT_COMPILATION:
-                raise
-            except Exception as error:
-                failure = error
+            out, failure = attempt(args, kwargs)
+        if failure is None:
+            return out
         out = forward(*args, **kwargs)  # eager mode's own error, if it has one, is the one raised
         state["eager"] = True
         message = " ".join(str(failure).split())
