@@ -139,14 +139,18 @@ def main() -> None:
                              "final norm (the forward and the loss, both ways)")
     parser.add_argument("--max-gpu-memory", default=None, help="wrap(max_gpu_memory=...), e.g. 21GiB")
     parser.add_argument("--zero-level", type=int, default=3, choices=[2, 3])
-    parser.add_argument("--optimizer", default="adam", choices=["adam", "offload", "offload-in-backward", "torch"])
+    parser.add_argument("--optimizer", default="auto",
+                        choices=["auto", "adam", "offload", "offload-in-backward", "torch"],
+                        help="auto: bmt.optim.auto_adam (the offload optimizer with offload_fraction='auto' under "
+                             "--max-gpu-memory or offloaded parameters, else adam); the offload ones with "
+                             "--offload-fraction")
     parser.add_argument("--offload-threads", type=int, default=None,
                         help="CPU threads of the offloaded update (default: the optimizer's)")
     parser.add_argument("--offload-fraction", default="1.0",
                         help="share of the parameters whose optimizer state the offload optimizers keep on the CPU, "
                              "or 'auto' (what does not fit the GPU after the first step)")
-    parser.add_argument("--offload-params", action="store_true",
-                        help="keep parameter shards in host memory too (wrap(offload_params=True))")
+    parser.add_argument("--offload-params", nargs="?", const="true", default="auto", choices=["true", "false", "auto"],
+                        help="keep parameter shards in host memory too (wrap(offload_params=...); default auto)")
     parser.add_argument("--profile", action="store_true",
                         help="profile one more step after the timed ones and report how busy the GPU was")
     parser.add_argument("--auto-headroom", type=float, default=None,
@@ -165,13 +169,14 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     checkpoint = {"true": True, "false": False, "auto": "auto"}[args.checkpoint]
     # What bmtwrap.plan predicts for this run, printed beside the measured peak.
-    offloading = args.optimizer.startswith("offload")
+    offload_params = {"true": True, "false": False}.get(args.offload_params, "auto")
+    offloading = args.optimizer.startswith("offload") or (args.optimizer == "auto" and args.max_gpu_memory is not None)
     planned = bmt.plan(model, world_size=ctx.world_size, checkpoint=checkpoint, batch_size=args.batch, seq_len=args.seq,
                        offload_optimizer=offloading, offload_fraction=fraction if offloading and fraction != "auto" else 1.0,
-                       offload_params=args.offload_params, max_gpu_memory=args.max_gpu_memory,
+                       offload_params=offload_params, max_gpu_memory=args.max_gpu_memory,
                        keep_logits=args.keep_logits).memory
     compile_option = {"true": True, "false": False, "auto": "auto"}[args.compile]
-    model = bmt.wrap(model, checkpoint=checkpoint, offload_params=args.offload_params,
+    model = bmt.wrap(model, checkpoint=checkpoint, offload_params=offload_params,
                      max_gpu_memory=args.max_gpu_memory, keep_logits=args.keep_logits, compile=compile_option)
     bmt.materialize(model)
     model.train()
@@ -184,7 +189,9 @@ def main() -> None:
             model.parameters(), lr=1e-4, step_in_backward=True, cpu_threads=args.offload_threads,
             offload_fraction=fraction),
         "torch": lambda: torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True),
+        "auto": lambda: bmt.optim.auto_adam(model.parameters(), lr=1e-4, cpu_threads=args.offload_threads),
     }[args.optimizer]()
+    offloading = isinstance(optimizer, bmt.optim.AdamOffloadOptimizer)
 
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq),
                         generator=torch.Generator().manual_seed(ctx.rank)).to(ctx.device)
@@ -230,11 +237,13 @@ def main() -> None:
     bmt.print_rank("RESULT " + json.dumps(dict(
         system="bmtwrap", size=args.size, world=ctx.world_size, batch=args.batch, seq=args.seq, params=params,
         activation_checkpointing=args.checkpoint, zero_level=args.zero_level, optimizer=args.optimizer,
+        optimizer_class=type(optimizer).__name__,
         compile=args.compile, compiled=compiled_blocks(model), keep_logits=args.keep_logits,
         first_step_s=round(first_step_s, 1),
         offload_threads=args.offload_threads,
         offload_fraction=round(optimizer.offload_fraction, 3) if offloading else args.offload_fraction,
-        offload_params=args.offload_params, step_s=round(step_s, 4), tok_s_gpu=round(tokens / step_s, 1),
+        offload_params=wrapped_record(model).plan.offload.params,
+        step_s=round(step_s, 4), tok_s_gpu=round(tokens / step_s, 1),
         mfu=round(per_token * tokens / step_s / PEAK_FLOPS, 4),
         peak_gib=round(max(peaks) / 2**30, 2), reserved_gib=round(max(reserved) / 2**30, 2),
         used_gib=round(max(used) / 2**30, 2), max_gpu_memory=args.max_gpu_memory,

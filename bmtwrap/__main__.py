@@ -163,8 +163,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="plan for AdamOffloadOptimizer: optimizer state in host memory")
     plan.add_argument("--offload-fraction", type=float, default=1.0,
                       help="with --offload: the share of the optimizer state on the host (default 1.0)")
-    plan.add_argument("--offload-params", action="store_true",
-                      help="as wrap(offload_params=True): block parameters and gradients in host memory")
+    plan.add_argument("--offload-params", nargs="?", const="true", default="auto", choices=["true", "false", "auto"],
+                      help="as wrap(offload_params=...): block parameters and gradients in host memory; auto "
+                           "(default) decides from --max-gpu-memory as wrap does (without it: false)")
     plan.add_argument("--model-class", metavar="NAME",
                       help="the transformers class to build, e.g. BertForMaskedLM (default: the first of the config's "
                            "architectures, else what AutoModelForCausalLM, AutoModelForSeq2SeqLM or AutoModel picks)")
@@ -197,7 +198,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     checkpoint = {"true": True, "false": False, "auto": "auto"}["false" if args.no_checkpoint else args.checkpoint]
     print(make_plan(model, world_size=args.world_size, checkpoint=checkpoint, batch_size=args.batch_size,
                     seq_len=args.seq_len, offload_optimizer=args.offload, offload_fraction=args.offload_fraction,
-                    offload_params=args.offload_params, ranks_per_host=args.ranks_per_host, max_gpu_memory=budget))
+                    offload_params={"true": True, "false": False}.get(args.offload_params, "auto"),
+                    ranks_per_host=args.ranks_per_host, max_gpu_memory=budget))
     return 0
 
 

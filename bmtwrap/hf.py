@@ -39,7 +39,7 @@ import inspect
 import math
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, NamedTuple, Optional
+from typing import Any, Callable, Dict, Iterable, NamedTuple, Optional, Union
 
 import torch
 import transformers
@@ -52,7 +52,7 @@ from .engine import dist as _dist
 from .checkpoint import load_checkpoint, save, save_checkpoint, save_pretrained
 from .checkpoint.sharded_format import INDEX
 from .engine.full_state import full_state_dict
-from .optim import AdamOffloadOptimizer, AdamOptimizer
+from .optim import AdamOffloadOptimizer, AdamOptimizer, auto_adam
 from .optim.optim_manager import grad_norm
 from .wrap import wrap
 from .wrap.convert import wrapped_record
@@ -292,8 +292,10 @@ class Trainer(transformers.Trainer):
       group first, with :func:`bmtwrap.init_distributed` if it was not called); Trainer and
       accelerate use the same default process group, and accelerate still gives each rank its own
       share of every global batch. The model is never wrapped in DDP, DataParallel or FSDP.
-    - The optimizer is :class:`bmtwrap.optim.AdamOptimizer` (or, with ``offload=True``,
-      :class:`bmtwrap.optim.AdamOffloadOptimizer`) with ``learning_rate``, ``adam_beta1``,
+    - The optimizer is :func:`bmtwrap.optim.auto_adam`'s choice (:class:`bmtwrap.optim.AdamOptimizer`;
+      :class:`bmtwrap.optim.AdamOffloadOptimizer` with ``offload_fraction="auto"`` when
+      ``wrap_options`` set ``max_gpu_memory`` or the parameters were offloaded; with ``offload=True``,
+      :class:`bmtwrap.optim.AdamOffloadOptimizer`, all state on the host) with ``learning_rate``, ``adam_beta1``,
       ``adam_beta2``, ``adam_epsilon`` and ``weight_decay`` from TrainingArguments and Trainer's
       decay/no-decay parameter split; ``args.optim`` must name full-precision AdamW
       (:data:`ADAMW_FAMILY`, Trainer's default among them), unless ``optimizers=`` or
@@ -333,8 +335,9 @@ class Trainer(transformers.Trainer):
             (``data_collator``, ``train_dataset``, ``eval_dataset``, ``processing_class``, ...).
         wrap_options: keyword arguments for :func:`bmtwrap.wrap` (``checkpoint``,
             ``zero_level``, ``offload_params``, ``layers``, ...); default: wrap's defaults.
-        offload: build :class:`bmtwrap.optim.AdamOffloadOptimizer` (fp32 master and moments in CPU
-            memory) instead of :class:`bmtwrap.optim.AdamOptimizer`. Default ``False``.
+        offload: ``True``: build :class:`bmtwrap.optim.AdamOffloadOptimizer` (fp32 master and moments in
+            CPU memory); ``False``: :class:`bmtwrap.optim.AdamOptimizer`; ``"auto"`` (default):
+            :func:`bmtwrap.optim.auto_adam` decides from ``wrap_options``' memory options.
         **kwargs: the other arguments of ``transformers.Trainer`` by name (``train_dataset``,
             ``eval_dataset``, ``processing_class``, ``compute_metrics``, ``callbacks``,
             ``optimizers``, ``optimizer_cls_and_kwargs``, ...).
@@ -369,7 +372,8 @@ class Trainer(transformers.Trainer):
     """
 
     def __init__(self, model: Optional[nn.Module] = None, args: Optional[TrainingArguments] = None, *more: Any,
-                 wrap_options: Optional[Dict[str, Any]] = None, offload: bool = False, **kwargs: Any) -> None:
+                 wrap_options: Optional[Dict[str, Any]] = None, offload: Union[bool, str] = "auto",
+                 **kwargs: Any) -> None:
         given = _TRAINER_SIGNATURE.bind(self, model, args, *more, **kwargs).arguments
         del given["self"]
         args = args if args is not None else TrainingArguments(output_dir="tmp_trainer")
@@ -384,10 +388,12 @@ class Trainer(transformers.Trainer):
         super().__init__(**{**given, "model": wrap(model, **options), "args": args})
 
     @staticmethod
-    def _check_optimizer_choice(args: TrainingArguments, given: Dict[str, Any], offload: bool) -> None:
+    def _check_optimizer_choice(args: TrainingArguments, given: Dict[str, Any], offload: Union[bool, str]) -> None:
+        if not isinstance(offload, bool) and offload != "auto":
+            raise ValueError(f"offload must be True, False or 'auto', got {offload!r}")
         optimizer = given.get("optimizers", (None, None))[0]
         if optimizer is not None or given.get("optimizer_cls_and_kwargs") is not None:
-            if offload:
+            if offload is True:
                 raise ValueError("offload=True chooses the optimizer bmtwrap.hf.Trainer builds, but optimizers= or "
                                  "optimizer_cls_and_kwargs= chose another: pass bmtwrap.optim.AdamOffloadOptimizer "
                                  "there, or drop offload")
@@ -457,9 +463,9 @@ class Trainer(transformers.Trainer):
         trainable = [(name, p) for name, p in opt_model.named_parameters() if p.requires_grad]
         groups = [{"params": [p for name, p in trainable if name in decay], "weight_decay": self.args.weight_decay},
                   {"params": [p for name, p in trainable if name not in decay], "weight_decay": 0.0}]
-        optimizer_class = AdamOffloadOptimizer if self._offload else AdamOptimizer
-        self.optimizer = optimizer_class([g for g in groups if g["params"]], lr=self.args.learning_rate,
-                                         betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon)
+        make = {True: AdamOffloadOptimizer, False: AdamOptimizer, "auto": auto_adam}[self._offload]
+        self.optimizer = make([g for g in groups if g["params"]], lr=self.args.learning_rate,
+                              betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon)
         return self.optimizer
 
     # --- saving -----------------------------------------------------------------------------

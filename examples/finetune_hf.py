@@ -153,7 +153,8 @@ def build_model(args: argparse.Namespace, tokenizer: Any, dtype: torch.dtype) ->
     import transformers
 
     wrap_options = dict(checkpoint={"true": True, "false": False, "auto": "auto"}[args.recompute],
-                        offload_params=args.offload_params, max_gpu_memory=args.max_gpu_memory)
+                        offload_params={"true": True, "false": False}.get(args.offload_params, "auto"),
+                        max_gpu_memory=args.max_gpu_memory)
     if args.lora:
         return build_lora_model(args, tokenizer, dtype, wrap_options)
     if args.model is not None:
@@ -207,6 +208,8 @@ def make_optimizer(args: argparse.Namespace, model: nn.Module) -> torch.optim.Op
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if args.optimizer == "offload":
         return bmt.optim.AdamOffloadOptimizer(groups, lr=args.lr, betas=(0.9, 0.95))
+    if args.optimizer == "auto":
+        return bmt.optim.auto_adam(groups, lr=args.lr, betas=(0.9, 0.95))
     return bmt.optim.AdamOptimizer(groups, lr=args.lr, betas=(0.9, 0.95))
 
 

@@ -86,9 +86,13 @@ def parse_args(argv: Optional[List[str]] = None, description: str = "") -> argpa
                        help="parameter dtype (auto: bfloat16 on GPUs, float32 on the CPU); Adam keeps an fp32 master")
     train.add_argument("--seed", type=int, default=0)
     engine = p.add_argument_group("bmtwrap")
-    engine.add_argument("--optimizer", default="adam", choices=["adam", "offload"],
-                        help="adam: fused Adam on the device; offload: master and moments in CPU memory")
-    engine.add_argument("--offload-params", action="store_true", help="keep parameter shards in CPU memory too")
+    engine.add_argument("--optimizer", default="auto", choices=["auto", "adam", "offload"],
+                        help="auto: bmtwrap.optim.auto_adam (offload only what --max-gpu-memory or offloaded "
+                             "parameters call for); adam: fused Adam on the device; offload: master and moments in "
+                             "CPU memory")
+    engine.add_argument("--offload-params", nargs="?", const="true", default="auto", choices=["true", "false", "auto"],
+                        help="keep the layers' parameter shards in CPU memory (wrap(offload_params=...)); auto: "
+                             "only where they would not leave room on the GPU")
     engine.add_argument("--recompute", default="true", choices=["true", "false", "auto"],
                         help="activation checkpointing of the decoder layers (wrap(checkpoint=...))")
     engine.add_argument("--max-gpu-memory", metavar="SIZE", default=None,

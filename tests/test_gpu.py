@@ -138,9 +138,11 @@ def test_hugging_face_import_on_one_gpu(tmp_path):
     assert len(results) == 32 and not failures, "\n".join(failures)
 
 
-def _llama_steps(checkpoint, max_gpu_memory=None, steps=6):
+def _llama_steps(checkpoint, max_gpu_memory=None, steps=6, batch=4, optimizer="adam", report=None):
     """A 0.5B Llama in bf16 trained ``steps`` steps on this GPU; the most memory a step took (the allocator's
-    reserve and the memory outside it, from step 2 on) and the blocks checkpoint="auto" kept."""
+    reserve and the memory outside it, from step 2 on) and the blocks checkpoint="auto" kept. The optimizer is
+    ``AdamOptimizer``, or with ``optimizer="auto"`` ``bmt.optim.auto_adam``'s choice; ``report`` (a dict) gets its
+    class, offload fraction, whether wrap offloaded the parameters, and the losses."""
     import gc
 
     import transformers
@@ -155,18 +157,24 @@ def _llama_steps(checkpoint, max_gpu_memory=None, steps=6):
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     model = bmt.materialize(bmt.wrap(model, checkpoint=checkpoint, max_gpu_memory=max_gpu_memory))
-    optimizer = bmt.optim.AdamOptimizer(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, 32000, (4, 2048), device="cuda")  # activations of GiBs: compiled blocks save little
-    gauge, used = CudaGauge(torch.device("cuda")), []
+    make = bmt.optim.auto_adam if optimizer == "auto" else bmt.optim.AdamOptimizer
+    optimizer = make(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, 32000, (batch, 2048), device="cuda")  # activations of GiBs: compiled blocks save little
+    gauge, used, losses = CudaGauge(torch.device("cuda")), [], []
     for _ in range(steps):
         torch.cuda.reset_peak_memory_stats()
-        model(input_ids=ids, labels=ids).loss.backward()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
         optimizer.step()
         optimizer.zero_grad()
         torch.cuda.synchronize()
         used.append(gauge.reserved_peak() + gauge.outside_allocator())
     record = wrapped_record(model)
     kept = sum(not runner.recompute for _, runner in record.runners)
+    if report is not None:
+        report.update(optimizer=type(optimizer).__name__, offload_params=record.plan.offload.params, losses=losses,
+                      offload_fraction=getattr(optimizer, "offload_fraction", 0.0))
     del model, optimizer, record
     gc.collect()
     torch.cuda.empty_cache()
@@ -186,3 +194,22 @@ def test_auto_checkpoint_keeps_what_a_budget_allows_on_one_gpu():
     assert 0 < kept < 8 and used <= budget, (kept, used / 2**30, budget / 2**30)
     _, kept = _llama_steps("auto")
     assert kept == 8
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU")
+def test_a_budget_chooses_the_offload_on_one_gpu():
+    """Under max_gpu_memory, auto_adam puts on the host the optimizer state that does not fit; a budget that the
+    parameters and gradients would fill puts the blocks' parameters there too (with a warning). Every step from the
+    second on stays under the budget, and the loss falls."""
+    roomy = {}
+    used, _ = _llama_steps("auto", max_gpu_memory="7GiB", batch=1, optimizer="auto", report=roomy)
+    assert roomy["optimizer"] == "AdamOffloadOptimizer" and not roomy["offload_params"], roomy
+    assert 0.0 < roomy["offload_fraction"] < 1.0 and used <= 7 * 2**30, (roomy, used / 2**30)
+    assert roomy["losses"][-1] < roomy["losses"][0], roomy["losses"]
+    tight = {}
+    with pytest.warns(UserWarning, match="offload_params='auto'"):
+        used, _ = _llama_steps("auto", max_gpu_memory="3GiB", batch=1, optimizer="auto", report=tight)
+    assert tight["offload_params"] and tight["optimizer"] == "AdamOffloadOptimizer", tight
+    assert used <= 3 * 2**30, (tight, used / 2**30)
+    assert tight["losses"][-1] < tight["losses"][0], tight["losses"]

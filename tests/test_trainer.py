@@ -316,6 +316,13 @@ def test_offload_with_a_chosen_optimizer(tmp_path):
                 offload=True)
 
 
+def test_offload_takes_true_false_or_auto(tmp_path):
+    from bmtwrap.hf import Trainer
+
+    with pytest.raises(ValueError, match="offload must be True, False or 'auto', got 'cpu'"):
+        Trainer(model=_tiny_model(), args=_args(tmp_path), offload="cpu")
+
+
 def test_gradient_checkpointing_against_wrap_options(tmp_path):
     from bmtwrap.hf import Trainer
 

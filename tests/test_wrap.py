@@ -36,6 +36,10 @@ def test_wrap_rejects_bad_options():
         bmt.wrap(nn.Linear(2, 2), checkpoint="sometimes")
     with pytest.raises(ValueError, match="zero_level must be 2 or 3"):
         bmt.wrap(nn.Linear(2, 2), zero_level=1)
+    with pytest.raises(ValueError, match="offload_params must be True, False or 'auto', got 'yes'"):
+        bmt.wrap(nn.Linear(2, 2), offload_params="yes")
+    with pytest.raises(ValueError, match="keep_logits must be True or False, got 'no'"):
+        bmt.wrap(nn.Linear(2, 2), keep_logits="no")
 
 
 def test_layer_class_not_in_model_is_named():
@@ -224,6 +228,31 @@ def test_plan_with_offload_moves_state_to_the_host():
     assert 0 < half.memory.optimizer < on_gpu.memory.optimizer
     with pytest.raises(ValueError, match="offload_fraction must be in \\[0, 1\\], got 1.5"):
         bmt.plan(tiny_llama(), offload_fraction=1.5)
+
+
+def test_a_gpu_budget_offloads_the_parameters_when_they_leave_no_room():
+    """offload_params="auto": the blocks' parameters go to the host when this rank's parameters and gradients take more
+    than PARAMS_SHARE of the budget less the margin and the memory outside the allocator; never without a budget."""
+    from bmtwrap.engine.memory import MIN_MARGIN, outside_allocator_estimate
+    from bmtwrap.wrap.plan import PARAMS_SHARE, offload_params_auto
+
+    model = tiny_llama()
+    both = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # parameters and gradients, one rank
+
+    def budget(share: float, world_size: int = 1) -> int:  # the budget where both take ``share`` of what is usable
+        return MIN_MARGIN + outside_allocator_estimate(world_size) + int(both / world_size / share)
+
+    roomy = bmt.plan(model, max_gpu_memory=budget(PARAMS_SHARE - 0.05))
+    tight = bmt.plan(model, max_gpu_memory=budget(PARAMS_SHARE + 0.05))
+    assert not roomy.offload.params and tight.offload.params
+    assert tight.memory.params == tight.root.shard_bytes  # the blocks' shards are on the host
+    assert "offloaded to the host: block parameters" in str(tight)
+    assert not bmt.plan(model, max_gpu_memory=budget(PARAMS_SHARE + 0.05), offload_params=False).offload.params
+    assert not bmt.plan(model).offload.params and not offload_params_auto(model, 1, None)
+    # Over two ranks each holds half: the same room per rank (NCCL's buffers aside) is enough again.
+    same_room = budget(PARAMS_SHARE + 0.05) - outside_allocator_estimate(1) + outside_allocator_estimate(2)
+    assert not bmt.plan(model, world_size=2, max_gpu_memory=same_room).offload.params
+    assert bmt.plan(model, world_size=2, max_gpu_memory=budget(PARAMS_SHARE + 0.05, 2)).offload.params
 
 
 def test_plan_activations_follow_the_batch_and_the_vocabulary():

@@ -9,6 +9,7 @@ import torch
 
 from .. import ops
 from ..engine.dist import is_initialized
+from ..engine.memory import CudaGauge
 from ..engine.group import ROOT_LABEL
 from ..engine.offload import (DEFAULT_CHUNK_NUMEL, DEFAULT_SLOTS, adam_state_bytes, expandable_segments,
                               host_available_bytes, host_empty, host_zeros)
@@ -209,7 +210,8 @@ class AdamOffloadOptimizer(_AdamBase):
         trains); the bytes of that state stay claimed until it exists (end of the first step).
         Otherwise it is decided after the first step, and the state then moves.
 
-        What is left of the card holds optimizer state, less:
+        What is left of the card (or of ``wrap(max_gpu_memory=...)``), less the memory outside torch's
+        allocator (the CUDA context, NCCL's buffers: both count against it), holds optimizer state, less:
         - ``AUTO_HEADROOM`` of the card, for later variation (another sequence length) and what
           the allocator cannot hand out; the optimizer turns on the allocator's expandable
           segments, unless ``PYTORCH_ALLOC_CONF`` is set (``offload.expandable_segments``), and
@@ -238,8 +240,9 @@ class AdamOffloadOptimizer(_AdamBase):
         if is_initialized() and engine().max_gpu_memory is not None:
             total = min(total, engine().max_gpu_memory)  # wrap(max_gpu_memory=...)
         peak = torch.cuda.max_memory_allocated(device)
+        outside = CudaGauge(device).outside_allocator()  # the CUDA context, NCCL: the card and a budget count them
         headroom = AUTO_HEADROOM + (0.0 if self._expandable else FIXED_SEGMENTS_HEADROOM)
-        budget = total * (1.0 - headroom) - peak
+        budget = total * (1.0 - headroom) - peak - outside
         grads_wait_on_gpu = not self.step_in_backward
         if grads_wait_on_gpu:
             # The gradient of a parameter updated on the CPU stays on the GPU until the CPU takes it, up
@@ -249,7 +252,8 @@ class AdamOffloadOptimizer(_AdamBase):
         kept = self._first_needed(lambda p: p.numel() * (adam_state_bytes(p.dtype)
                                                          - (p.element_size() if grads_wait_on_gpu else 0)), budget)
         kept_bytes = sum(p.numel() * adam_state_bytes(p.dtype) for p in params if id(p) in kept)
-        self.auto_report = dict(gpu_bytes=total, peak_bytes=peak, headroom=headroom, state_bytes_on_gpu=kept_bytes,
+        self.auto_report = dict(gpu_bytes=total, peak_bytes=peak, outside_bytes=outside, headroom=headroom,
+                                state_bytes_on_gpu=kept_bytes,
                                 params_on_gpu=len(kept), params=len(params))
         host_needed = sum(p.numel() * adam_state_bytes(p.dtype, offloaded=True) for p in params
                           if id(p) not in kept and not self.state.get(p))

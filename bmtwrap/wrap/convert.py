@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
@@ -45,7 +46,7 @@ from .auto import AutoRecompute, auto_recompute
 from .compiled import CompileOption, compile_options, compiled_forward
 from .detect import LayerPolicy
 from .instance_forward import replace_forward
-from .plan import Checkpoint, OffloadOptions, WrapPlan, make_plan
+from .plan import Checkpoint, OffloadOptions, WrapPlan, make_plan, offload_params_auto
 
 __all__ = ["StaleBuffer", "plan", "wrap", "wrapped_record"]
 
@@ -59,7 +60,7 @@ class WrapOptions:
     zero_level: int
     reduce_dtype: Optional[torch.dtype]
     max_gpu_memory: Optional[int]
-    offload_params: bool
+    offload_params: Union[bool, str]  # as given; the plan's offload options hold what "auto" chose
     keep_logits: bool
     compile: Any  # as given: True, False, "auto", or torch.compile's options as sorted (name, value) pairs
 
@@ -122,7 +123,7 @@ def _check_options(checkpoint: Checkpoint, zero_level: Optional[int]) -> None:
 
 def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional[LayerPolicy] = None,
          checkpoint: Checkpoint = "auto", batch_size: Optional[int] = None, seq_len: Optional[int] = None,
-         offload_optimizer: bool = False, offload_fraction: float = 1.0, offload_params: bool = False,
+         offload_optimizer: bool = False, offload_fraction: float = 1.0, offload_params: Union[bool, str] = "auto",
          ranks_per_host: Optional[int] = None, max_gpu_memory: Union[int, str, None] = None,
          keep_logits: bool = False) -> WrapPlan:
     """What :func:`wrap` would do to ``model``, without doing it (no collectives, no allocation).
@@ -146,7 +147,8 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
         offload_optimizer: plan for :class:`~bmtwrap.optim.AdamOffloadOptimizer` (optimizer state
             on the host) instead of :class:`~bmtwrap.optim.AdamOptimizer`.
         offload_fraction: the offload optimizer's ``offload_fraction``.
-        offload_params: as for :func:`wrap`.
+        offload_params: as for :func:`wrap`; ``"auto"`` (default) decides from ``max_gpu_memory`` (without
+            one: ``False``).
         ranks_per_host: ranks sharing one host, for the per-host memory; default:
             ``min(world_size, 8)``.
         max_gpu_memory: a GPU budget per rank, as for :func:`wrap`; the plan says whether it fits.
@@ -177,8 +179,10 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
         raise ValueError(f"offload_fraction must be in [0, 1], got {offload_fraction!r}")
     if ranks_per_host is not None and ranks_per_host < 1:
         raise ValueError(f"ranks_per_host must be >= 1, got {ranks_per_host!r}")
-    offload = OffloadOptions(optimizer=offload_optimizer, fraction=offload_fraction, params=offload_params)
     budget = None if max_gpu_memory is None else parse_bytes(max_gpu_memory)
+    if offload_params == "auto":
+        offload_params = offload_params_auto(model, world_size, budget)
+    offload = OffloadOptions(optimizer=offload_optimizer, fraction=offload_fraction, params=offload_params)
     return make_plan(model, world_size, layers=layers, checkpoint=checkpoint, batch_size=batch_size,
                      seq_len=seq_len, offload=offload, ranks_per_host=ranks_per_host, max_gpu_memory=budget,
                      fused_loss=not keep_logits)[0]
@@ -267,6 +271,26 @@ def _move_buffers(model: nn.Module, device: torch.device) -> List[StaleBuffer]:
     return stale
 
 
+def _offload_params_chosen(model: nn.Module, ctx: _dist.DistContext, budget: Optional[int]) -> bool:
+    """``offload_params="auto"`` on this rank's GPU (``plan.offload_params_auto``), the same on every rank."""
+    if ctx.device.type != "cuda":
+        return False
+    card = torch.cuda.get_device_properties(ctx.device).total_memory
+    chosen = offload_params_auto(model, ctx.world_size, card if budget is None else min(budget, card))
+    if ctx.world_size > 1:  # budgets or cards may differ between ranks; offloading on any means on all
+        flag = torch.tensor([int(chosen)], device=ctx.device)
+        with ctx.watched("all-reduce", "offload_params='auto'"):
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=ctx.group)
+        chosen = bool(flag.item())
+    if chosen:
+        where = "max_gpu_memory" if budget is not None else "the GPU"
+        warnings.warn(f"offload_params='auto': this {type(model).__name__}'s parameters and gradients would take most "
+                      f"of {where} on each of {ctx.world_size} rank(s), so the blocks' parameters stay in host memory "
+                      "and are copied in at each gather (slower); pass offload_params=False to keep them on the GPU, "
+                      "or shard over more GPUs", UserWarning, stacklevel=3)
+    return chosen
+
+
 def _already_wrapped(model: nn.Module, options: WrapOptions) -> Optional[nn.Module]:
     record = wrapped_record(model)
     if record is None:
@@ -281,7 +305,7 @@ def _already_wrapped(model: nn.Module, options: WrapOptions) -> Optional[nn.Modu
 
 def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: Checkpoint = "auto",
          zero_level: Optional[int] = None, reduce_dtype: Optional[torch.dtype] = None,
-         max_gpu_memory: Union[int, str, None] = None, offload_params: bool = False,
+         max_gpu_memory: Union[int, str, None] = None, offload_params: Union[bool, str] = "auto",
          keep_logits: bool = False, compile: CompileOption = "auto") -> nn.Module:
     """Shard ``model`` over all ranks, in place, and return it.
 
@@ -315,12 +339,16 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
             (tensors, the allocator's cache, NCCL's buffers): ``"24GiB"``, ``"80GB"`` or bytes;
             ``checkpoint="auto"`` and ``AdamOffloadOptimizer(offload_fraction="auto")`` plan for it
             instead of the whole card. Default: the card.
-        offload_params: keep the blocks' parameter shards, and their gradients, in pinned CPU
-            memory; each gather copies the shard to the GPU first, so the GPU holds a block's
+        offload_params: ``True``: keep the blocks' parameter shards, and their gradients, in pinned
+            CPU memory; each gather copies the shard to the GPU first, so the GPU holds a block's
             parameters only while it is gathered. The root group (gathered for the whole step
             anyway) stays on the GPU. The blocks' parameters, their ``.grad`` and a plain
             optimizer's state for them are then CPU tensors; pair it with
-            :class:`~bmtwrap.optim.AdamOffloadOptimizer`, which updates them in place on the CPU.
+            :class:`~bmtwrap.optim.AdamOffloadOptimizer` (:func:`bmtwrap.optim.auto_adam` does),
+            which updates them in place on the CPU. ``"auto"`` (default): ``True`` on a GPU where
+            this rank's parameter shards and gradients would take more than three quarters of
+            ``max_gpu_memory`` (or the card), less the margin (``wrap.plan.offload_params_auto``);
+            ``False`` otherwise, and on the CPU. Choosing ``True`` warns once, with the sizes.
         keep_logits: ``False`` (default): a Hugging Face causal LM called with ``labels`` in
             training mode, with gradients, computes its loss from the last hidden state, a chunk of
             tokens at a time (:func:`bmtwrap.loss.linear_cross_entropy`), and returns
@@ -359,9 +387,10 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
     _check_options(checkpoint, zero_level)
     if max_gpu_memory is not None:
         max_gpu_memory = parse_bytes(max_gpu_memory)
-    for name, flag in (("offload_params", offload_params), ("keep_logits", keep_logits)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"{name} must be True or False, got {flag!r}")
+    if not isinstance(offload_params, bool) and offload_params != "auto":
+        raise ValueError(f"offload_params must be True, False or 'auto', got {offload_params!r}")
+    if not isinstance(keep_logits, bool):
+        raise ValueError(f"keep_logits must be True or False, got {keep_logits!r}")
     ctx = _dist.current() if _dist.is_initialized() else _dist.init_distributed()
     compile_with = compile_options(compile, ctx.device)
     eng = engine(ctx)
@@ -374,8 +403,10 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
         raise ValueError("this model already contains bmtwrap Blocks; wrap a plain model, or use the Blocks as they are")
     eng.dissolve_wrapped_under(model)  # wrapped parts are sharded again as parts of this model
 
+    params_offloaded = (_offload_params_chosen(model, ctx, max_gpu_memory) if offload_params == "auto"
+                        else offload_params)
     the_plan, blocks, shared_ids = make_plan(model, ctx.world_size, layers=layers, checkpoint=checkpoint,
-                                             offload=OffloadOptions(params=offload_params),
+                                             offload=OffloadOptions(params=params_offloaded),
                                              fused_loss=not keep_logits)
     adapter = adapter_for(model)
     adapter.prepare(model)
@@ -386,7 +417,7 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
     for (name, module), block_plan in zip(blocks, the_plan.blocks):
         runner = BlockRunner(module, name, recompute=bool(block_plan.checkpoint), zero_level=options.zero_level,
                              reduce_dtype=reduce_dtype, exclude=shared_ids, allow_meta=True,
-                             offload=OffloadPolicy(params=options.offload_params))
+                             offload=OffloadPolicy(params=params_offloaded))
         restore_forwards.append(_install_forward(module, runner, compile_with))
         handles.append(register_full_state_dict(module))
         runners.append((module, runner))

@@ -60,6 +60,8 @@ LAYER_SAVED_H, LAYER_SAVED_I = 10, 4
 LAYER_FP32_H = 4
 # Cross-entropy bytes per token and vocabulary entry at the peak of the loss's backward (see the Note).
 LOSS_BYTES = 12
+# offload_params="auto": the most of the usable GPU memory this rank's parameter shards and gradients may take.
+PARAMS_SHARE = 0.75
 # Tokens per chunk of the loss computed without the logits (linear_cross_entropy's default chunk_size).
 HEAD_CHUNK = 8192
 
@@ -393,6 +395,22 @@ def _usable(budget: int, world_size: int) -> int:
     """The bytes of ``budget`` left for the estimate: less ``checkpoint="auto"``'s margin (taken from the budget,
     the card unknown) and the memory a process takes outside torch's allocator (``memory.outside_allocator_estimate``)."""
     return budget - margin_bytes(budget) - outside_allocator_estimate(world_size)
+
+
+def offload_params_auto(model: nn.Module, world_size: int, limit: Optional[int]) -> bool:
+    """What ``offload_params="auto"`` chooses: the blocks' parameters on the host when this rank's parameter
+    shards and their gradients would take more than ``PARAMS_SHARE`` of ``limit`` (the process's GPU budget, or
+    the card) less the margin and the memory outside torch's allocator; never without a limit (the CPU).
+
+    What is left must hold a gathered block, the saved activations, the loss and some optimizer state: a model
+    whose parameters and gradients alone fill most of the card does not train with them there, and with them on
+    the host it does (at the cost of a copy per gather).
+    """
+    if limit is None:
+        return False
+    unique = {id(p): p for p in model.parameters()}.values()
+    sharded = sum(p.numel() * p.element_size() * (2 if p.requires_grad else 1) for p in unique) / world_size
+    return sharded > PARAMS_SHARE * _usable(limit, world_size)
 
 
 def _keep_what_fits(blocks: List[GroupPlan], estimate: Callable[[List[GroupPlan]], MemoryEstimate], budget: int,
