@@ -6,7 +6,8 @@ caching allocator's reserve (tensors, plus the cached blocks and fragments the a
 the memory outside it (the CUDA context, NCCL's buffers, cuBLAS workspaces). The allocator's
 counters see only the first part, so the gauge measures the second as what the driver reports used
 on the card less the allocator's reserve. Other processes on the same card count there too, which
-is what a shared card needs: the memory they hold is not ours to plan with.
+is what a shared card needs: the memory they hold is not ours to plan with. Under a budget the
+allocator itself is capped (``cap_allocator``), so that its cache cannot carry the process over.
 """
 
 from __future__ import annotations
@@ -16,13 +17,16 @@ from typing import Optional, Protocol, Union
 
 import torch
 
-__all__ = ["MARGIN", "CudaGauge", "Gauge", "format_bytes", "gauge_for", "margin_bytes", "out_of_memory_advice",
+__all__ = ["MARGIN", "CudaGauge", "cap_allocator", "Gauge", "format_bytes", "gauge_for", "margin_bytes", "out_of_memory_advice",
            "outside_allocator_estimate", "parse_bytes"]
 
 # Share of the card checkpoint="auto" leaves unplanned (at least MIN_MARGIN): what varies between steps
 # (another sequence length, the allocator's rounding) and what its prediction cannot see.
 MARGIN = 0.04
 MIN_MARGIN = 512 * 2**20
+# What a process took outside the allocator beyond outside_allocator_estimate, at most, on the cards measured
+# (1.45 GiB against 1.3 for one process): kept out of the allocator's cap under a budget (cap_allocator).
+CAP_SLACK = 256 * 2**20
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -61,6 +65,23 @@ def outside_allocator_estimate(world_size: int) -> int:
     process in a job of two (NCCL's buffers). Jobs with more peers take somewhat more.
     """
     return int((1.3 if world_size == 1 else 1.6) * 2**30)
+
+
+def cap_allocator(device: torch.device, budget: int, world_size: int) -> int:
+    """Hold torch's caching allocator on ``device`` to ``budget`` less the memory a process takes outside it
+    (``outside_allocator_estimate``, and ``CAP_SLACK`` more); returns the cap in bytes.
+
+    Past the cap the allocator hands its cached blocks back to the driver and retries before it fails
+    (``torch.cuda.set_per_process_memory_fraction``), so what it holds beyond its tensors (cached blocks
+    of other sizes, fragments) cannot carry the process over the budget. Only tensors that do not fit
+    raise out of memory. The estimate is used rather than a reading, because a reading counts other
+    processes on the card too, and a cap that excluded them could leave this one nothing. Like the
+    budget, the cap holds for the rest of the process.
+    """
+    card = torch.cuda.get_device_properties(device).total_memory
+    cap = max(0, min(budget, card) - outside_allocator_estimate(world_size) - CAP_SLACK)
+    torch.cuda.set_per_process_memory_fraction(cap / card, device)
+    return cap
 
 
 def margin_bytes(card: int) -> int:

@@ -36,7 +36,7 @@ from torch.utils.hooks import RemovableHandle
 from ..engine import dist as _dist
 from ..engine.full_state import register_full_state_dict, shard_full_tensors
 from ..engine.group import ROOT_LABEL
-from ..engine.memory import parse_bytes
+from ..engine.memory import cap_allocator, parse_bytes
 from ..engine.offload import OffloadPolicy, expandable_segments
 from ..engine.runners import BlockModule, BlockRunner, RootRunner
 from ..engine.shard import build_group, unshard_group
@@ -337,8 +337,11 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
         reduce_dtype: dtype gradients are averaged in; default: each parameter's own.
         max_gpu_memory: the most GPU memory this process should take, as ``nvidia-smi`` counts it
             (tensors, the allocator's cache, NCCL's buffers): ``"24GiB"``, ``"80GB"`` or bytes;
-            ``checkpoint="auto"`` and ``AdamOffloadOptimizer(offload_fraction="auto")`` plan for it
-            instead of the whole card. Default: the card.
+            ``checkpoint="auto"``, ``offload_params="auto"`` and
+            ``AdamOffloadOptimizer(offload_fraction="auto")`` plan for it instead of the whole card, and
+            torch's caching allocator is capped to it, less the memory a process takes outside the
+            allocator (``engine.memory.cap_allocator``): its cache is given back before it would
+            go over. Default: the card.
         offload_params: ``True``: keep the blocks' parameter shards, and their gradients, in pinned
             CPU memory; each gather copies the shard to the GPU first, so the GPU holds a block's
             parameters only while it is gathered. The root group (gathered for the whole step
@@ -437,6 +440,8 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
     stale = _move_buffers(model, ctx.device)
     if max_gpu_memory is not None:
         eng.max_gpu_memory = max_gpu_memory
+        if ctx.device.type == "cuda":
+            cap_allocator(ctx.device, max_gpu_memory, ctx.world_size)
     auto = None
     if checkpoint == "auto":
         if ctx.device.type == "cuda":
