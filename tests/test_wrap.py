@@ -60,6 +60,35 @@ def test_wrapping_twice_with_other_options_is_an_error():
         bmt.wrap(model, checkpoint=False)
 
 
+def test_a_model_nobody_refers_to_is_freed():
+    """The engine refers weakly to what wrap made of a model: once the program drops the model and its optimizer,
+    the model, its parameters and its flat buffers are freed (on a GPU, their memory with them), and a model built
+    next trains alone."""
+    import gc
+    import weakref
+
+    from bmtwrap.engine.schedule import engine
+
+    def train(model):
+        optimizer = bmt.optim.AdamOptimizer(model.parameters(), lr=1e-3)
+        ids = torch.randint(0, model.config.vocab_size, (2, 8))
+        for _ in range(2):
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return optimizer
+
+    model = bmt.wrap(tiny_llama())
+    optimizer = train(model)
+    param = next(model.parameters())
+    buffer, _ = engine().registry.lookup(param)
+    refs = [weakref.ref(x) for x in (model, param, buffer, buffer.full)]
+    del model, optimizer, param, buffer
+    gc.collect()
+    assert [r() is None for r in refs] == [True] * 4
+    assert train(bmt.wrap(tiny_llama())) is not None
+
+
 def test_wrap_keeps_class_keys_and_parameter_objects():
     model = tiny_llama()
     before_keys = list(model.state_dict())

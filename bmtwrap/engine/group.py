@@ -373,18 +373,23 @@ def _padding_ranges(layout: FlatLayout) -> List[Tuple[int, int]]:
 
 
 class ParamRegistry:
-    """Which flat buffer each sharded parameter lives in (one registry per process)."""
+    """Which flat buffer each sharded parameter lives in (one registry per process).
+
+    It holds parameters and buffers weakly: a model nobody uses any more is freed, its GPU memory with it.
+    Its groups hold the buffers; a lone ``DistributedParameter``'s buffer is held by the parameter.
+    """
 
     def __init__(self) -> None:
-        self._entries: Dict[int, Tuple["weakref.ref[nn.Parameter]", FlatBuffer, int]] = {}
+        self._entries: Dict[int, Tuple["weakref.ref[nn.Parameter]", "weakref.ref[FlatBuffer]", int]] = {}
 
     def any_sharded(self) -> bool:
-        return bool(self._entries)
+        return any(buffer() is not None for _, buffer, _ in list(self._entries.values()))
 
     def add(self, buffer: FlatBuffer) -> None:
         for index, slot in enumerate(buffer.slots):
             key = id(slot.param)
-            self._entries[key] = (weakref.ref(slot.param, lambda _, k=key: self._entries.pop(k, None)), buffer, index)
+            self._entries[key] = (weakref.ref(slot.param, lambda _, k=key: self._entries.pop(k, None)),
+                                  weakref.ref(buffer), index)
 
     def remove(self, buffer: FlatBuffer) -> None:
         """Forget the buffer's parameters (they hold their full values again: an unwrapped group)."""
@@ -396,7 +401,8 @@ class ParamRegistry:
         entry = self._entries.get(id(param))
         if entry is None or entry[0]() is not param:
             return None
-        return entry[1], entry[2]
+        buffer = entry[1]()
+        return None if buffer is None else (buffer, entry[2])
 
     def slot_of(self, ctx: DistContext, param: torch.Tensor) -> Tuple[FlatBuffer, ParamSlot]:
         """The buffer and slot of a sharded parameter (see :meth:`buffer_of`)."""
@@ -417,6 +423,7 @@ class ParamRegistry:
         layout, local = param._standalone
         slot = ParamSlot(param, "", param._original_shape, 0, layout.piece(0, ctx.rank), ())
         buffer = FlatBuffer(ctx, layout, local, [slot], param.requires_grad, label=ROOT_LABEL)
+        param._lone_buffer = buffer  # the registry holds it weakly
         self.add(buffer)
         return buffer, 0
 

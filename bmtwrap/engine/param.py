@@ -18,7 +18,7 @@ Invariants: ``shard_size * world_size >= total`` and ``shard_size`` is a multipl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -150,6 +150,7 @@ class DistributedParameter(torch.nn.Parameter):
     _group: Optional[str]
     # (layout, local shard) while the parameter is sharded on its own; None once a block owns it.
     _standalone: Optional[Tuple[FlatLayout, torch.Tensor]]
+    _lone_buffer: Any  # the FlatBuffer of a lone parameter, once the registry made it (it holds it weakly)
 
     def __new__(
         cls,
@@ -179,12 +180,19 @@ class DistributedParameter(torch.nn.Parameter):
         self._init_method = init_method
         self._group = group
         self._standalone = (layout, local)
+        self._lone_buffer = None
         return self
 
     @property
     def group(self) -> Optional[str]:
         """The ``group`` name given at construction (``None`` if none); bmtwrap does not use it."""
         return self._group
+
+    def __getstate__(self) -> dict:
+        """What pickling keeps: the attributes, less the engine's buffer of a lone parameter (rebuilt on use)."""
+        state = dict(self.__dict__)
+        state.pop("_lone_buffer", None)
+        return state
 
     def __deepcopy__(self, memo: dict) -> torch.nn.Parameter:
         """A plain ``nn.Parameter`` holding a copy of this rank's piece (1-D), as a deep copy of any sharded

@@ -50,6 +50,8 @@ __all__ = ["Engine", "ExecutionOrder", "Linked", "Participant", "Schedule", "Tra
 # Reduce-scatters in flight before the oldest is waited for: one overlapping the next block's
 # backward, one more of slack.
 MAX_PENDING = 2
+# The attribute of a wrapped model that holds what bmtwrap.wrap made of it (the engine refers to it weakly).
+RECORD_ATTRIBUTE = "_bmtwrap_wrapped"
 
 
 def _graph_task() -> int:
@@ -194,10 +196,12 @@ class Engine:
         self._active_roots: List[Participant] = []
         self._block_depth = 0  # > 0 while a block's module runs
         self._blocks_built = 0  # numbers block names, for messages and traces
-        self._wrapped: Dict[int, WrapRecord] = {}  # id(model) -> what bmtwrap.wrap made of it
+        # id(model) -> what bmtwrap.wrap made of it: the model holds its record, the engine only refers to it.
+        self._wrapped: Dict[int, "weakref.ref[WrapRecord]"] = {}
         # The module each block runs -> its runner: a Block or a block wrap made (see block_runner_of).
-        self._block_runners: "weakref.WeakKeyDictionary[nn.Module, Linked]" = weakref.WeakKeyDictionary()
-        self._runner_of_group: Dict[int, Linked] = {}  # id(group) -> the block runner that gathers it
+        # Weak both ways: a model nobody uses any more is freed (a runner refers to its module's parameters).
+        self._block_runners: Dict[int, Tuple["weakref.ref[nn.Module]", "weakref.ref[Linked]"]] = {}
+        self._runner_of_group: Dict[int, "weakref.ref[Linked]"] = {}  # id(group) -> the block runner that gathers it
         # The mode of the forward running under the outermost root (see on_demand.py), if any.
         self._on_demand: Optional[OnDemandGathers] = None
         # Reductions in flight, each with whether it is the buffer's last in this backward.
@@ -215,6 +219,7 @@ class Engine:
         # GPU memory for the automatic choices (see [Note: who gets the GPU memory left]).
         self._gpu_claims: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
         self.max_gpu_memory: Optional[int] = None  # the budget wrap(max_gpu_memory=...) set, in bytes
+        self.allocator_cap: Optional[int] = None  # what memory.cap_allocator holds torch's allocator to, under it
         self.passes_done = 0  # backward passes finished: the step running is number passes_done + 1
         # Told when a forward with autograd starts (outermost root) and when a backward ends (weak).
         self._step_listeners: List[Tuple[Any, ...]] = []  # (root, forward_starts, backward_ends), all weak
@@ -282,7 +287,7 @@ class Engine:
         what = f"{type(error).__name__} in {where}"
         note = f"bmtwrap: raised on rank {self.ctx.rank} of {self.ctx.world_size} in step {step}, in {where}."
         if isinstance(error, torch.OutOfMemoryError):
-            runners = [r for r in self._block_runners.values() if not r.group.dissolved]
+            runners = [r for r in self._live_block_runners() if not r.group.dissolved]
             advice = out_of_memory_advice(self.ctx.device, all(getattr(r, "recompute", True) for r in runners))
             what += ". " + advice
             note += " " + advice
@@ -354,7 +359,9 @@ class Engine:
             mode.__exit__(None, None, None)
             for group, with_grad in mode.lent.values():
                 if not with_grad:  # lent only without autograd: no backward will give it back
-                    self._runner_of_group[id(group)].take_back()
+                    runner = self._runner_for(group)
+                    if runner is not None:
+                        runner.take_back()
 
     def enter_block(self) -> None:
         """A block's module starts running (FORWARD until the matching :meth:`leave_block`)."""
@@ -371,8 +378,21 @@ class Engine:
 
     def register_block(self, module: nn.Module, runner: Linked) -> None:
         """``runner`` runs ``module`` as a block from now on."""
-        self._block_runners[module] = runner
-        self._runner_of_group[id(runner.group)] = runner
+        self._block_runners = {k: (m, r) for k, (m, r) in self._block_runners.items()
+                               if m() is not None and r() is not None}
+        self._block_runners[id(module)] = (weakref.ref(module), weakref.ref(runner))
+        self._runner_of_group = {k: v for k, v in self._runner_of_group.items() if v() is not None}
+        self._runner_of_group[id(runner.group)] = weakref.ref(runner)
+
+    def _live_block_runners(self) -> List[Linked]:
+        pairs = [(module(), runner()) for module, runner in list(self._block_runners.values())]
+        return [runner for module, runner in pairs if module is not None and runner is not None]
+
+    def _runner_for(self, group: ParamGroup) -> Optional[Linked]:
+        """The block runner that gathers ``group``, if it is alive."""
+        ref = self._runner_of_group.get(id(group))
+        runner = None if ref is None else ref()
+        return runner if runner is not None and runner.group is group else None
 
     def engine_work(self) -> ContextManager[None]:
         """The engine's own code runs: the forward's on-demand mode lets sharded parameters pass as they are."""
@@ -385,15 +405,18 @@ class Engine:
         return contextlib.nullcontext() if mode is None else mode.pausing(False)
 
     def _lend(self, group: ParamGroup) -> bool:
-        runner = self._runner_of_group.get(id(group))
-        if runner is None or runner.group is not group:
+        runner = self._runner_for(group)
+        if runner is None:
             return False
         runner.lend()
         return True
 
     def block_runner_of(self, module: nn.Module) -> Optional[Linked]:
         """The runner of the block that runs ``module``, if one does (its group owns the module's parameters)."""
-        runner = self._block_runners.get(module)
+        module_ref, runner_ref = self._block_runners.get(id(module), (None, None))
+        if module_ref is None or module_ref() is not module:
+            return None
+        runner = runner_ref()
         return runner if runner is not None and not runner.group.dissolved else None
 
     def next_block_number(self) -> int:
@@ -405,11 +428,16 @@ class Engine:
     def register_wrapped(self, model: nn.Module, record: WrapRecord) -> None:
         """Remember what :func:`bmtwrap.wrap` made of ``model`` (so that wrapping again is detected)."""
         assert record.model() is model, f"rank {self.ctx.rank}: a wrap record of another model"
-        self._wrapped[id(model)] = record
+        # The model keeps the record (and with it the runners and the GPU memory) alive, and nothing else does: a
+        # model nobody refers to any more is freed with all of it.
+        object.__setattr__(model, RECORD_ATTRIBUTE, record)
+        self._wrapped = {k: ref for k, ref in self._wrapped.items() if ref() is not None}
+        self._wrapped[id(model)] = weakref.ref(record)
 
     def wrapped_record(self, model: nn.Module) -> Optional[WrapRecord]:
         """What :func:`bmtwrap.wrap` made of ``model``; ``None`` if it did not wrap this very object."""
-        record = self._wrapped.get(id(model))
+        ref = self._wrapped.get(id(model))
+        record = None if ref is None else ref()
         return record if record is not None and record.model() is model else None
 
     def dissolve_wrapped_under(self, module: nn.Module, *, keep: Optional[nn.Module] = None) -> None:
@@ -419,18 +447,21 @@ class Engine:
         A collective: every rank must build the same enclosing block.
         """
         inside = {id(m) for m in module.modules()}
-        for key, record in list(self._wrapped.items()):
-            model = record.model()
+        for key, ref in list(self._wrapped.items()):
+            record = ref()
+            model = None if record is None else record.model()
             if model is None:
                 del self._wrapped[key]
             elif id(model) in inside and model is not keep:
                 record.dissolve()
                 del self._wrapped[key]
+                model.__dict__.pop(RECORD_ATTRIBUTE, None)
 
     @property
     def wrapped(self) -> Mapping[int, WrapRecord]:
         """Read-only: ``id(model)`` → its wrap record (prefer :meth:`wrapped_record`, which checks the id's owner)."""
-        return types.MappingProxyType(self._wrapped)
+        live = {key: ref() for key, ref in self._wrapped.items()}
+        return types.MappingProxyType({key: record for key, record in live.items() if record is not None})
 
     # --- backward --------------------------------------------------------------------------------
     def backward_started(self) -> None:

@@ -122,6 +122,7 @@ def build_group(ctx: DistContext, registry: ParamRegistry, module: nn.Module, na
                 param.grad = old_grad.reshape(-1)[piece.param_start : piece.param_end].to(view.device).clone()
             if isinstance(param, DistributedParameter):
                 param._standalone = None  # its lone shard is superseded by this buffer
+                param._lone_buffer = None
             regs = tuple(owner for _, owner in owners[id(param)])
             slots.append(ParamSlot(param, qualified, torch.Size(shape), layout.offsets[index], piece, regs))
         buffer = FlatBuffer(ctx, layout, local, slots, requires_grad, reduce_dtype if requires_grad else None,
