@@ -180,7 +180,7 @@ def _llama_steps(checkpoint, max_gpu_memory=None, steps=6, batch=4, optimizer="a
     gc.collect()
     torch.cuda.empty_cache()
     # A budget holds for the process (the engine's, and the allocator's cap): the next case starts without one.
-    engine().max_gpu_memory = None
+    engine().max_gpu_memory = engine().allocator_cap = None
     torch.cuda.set_per_process_memory_fraction(1.0)
     return max(used[1:]), kept
 

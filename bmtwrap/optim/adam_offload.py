@@ -237,10 +237,12 @@ class AdamOffloadOptimizer(_AdamBase):
             return
         device = cuda[0].device
         total = torch.cuda.get_device_properties(device).total_memory
+        outside = CudaGauge(device).outside_allocator()  # the CUDA context, NCCL: the card and a budget count them
         if is_initialized() and engine().max_gpu_memory is not None:
             total = min(total, engine().max_gpu_memory)  # wrap(max_gpu_memory=...)
+            if engine().allocator_cap is not None:  # and the allocator's reserve stays under its cap
+                total = min(total, engine().allocator_cap + outside)
         peak = torch.cuda.max_memory_allocated(device)
-        outside = CudaGauge(device).outside_allocator()  # the CUDA context, NCCL: the card and a budget count them
         headroom = AUTO_HEADROOM + (0.0 if self._expandable else FIXED_SEGMENTS_HEADROOM)
         budget = total * (1.0 - headroom) - peak - outside
         grads_wait_on_gpu = not self.step_in_backward

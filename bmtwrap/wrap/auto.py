@@ -85,9 +85,15 @@ class AutoRecompute:
         return self._phase in ("watch", "done")
 
     def _ceiling(self) -> int:
-        """Bytes the process may take from the card: ``max_gpu_memory``, at most the card."""
+        """Bytes the process may take from the card: ``max_gpu_memory`` (with the allocator's cap), at most the card."""
         card = self._gauge.card_bytes()
-        return card if self._budget is None else min(self._budget, card)
+        if self._budget is None:
+            return card
+        # Under a budget the allocator is capped (memory.cap_allocator): its reserve stays under the cap, whatever
+        # the memory outside it leaves.
+        cap = engine().allocator_cap
+        ceiling = min(self._budget, card)
+        return ceiling if cap is None else min(ceiling, cap + self._gauge.outside_allocator())
 
     def limit(self) -> int:
         """Bytes the process may take from the card, less the margin."""

@@ -441,7 +441,7 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
     if max_gpu_memory is not None:
         eng.max_gpu_memory = max_gpu_memory
         if ctx.device.type == "cuda":
-            cap_allocator(ctx.device, max_gpu_memory, ctx.world_size)
+            eng.allocator_cap = cap_allocator(ctx.device, max_gpu_memory, ctx.world_size)
     auto = None
     if checkpoint == "auto":
         if ctx.device.type == "cuda":
