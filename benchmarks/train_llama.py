@@ -168,14 +168,14 @@ def main() -> None:
     per_token = flops_per_token(config, model, args.seq)
     params = sum(p.numel() for p in model.parameters())
     checkpoint = {"true": True, "false": False, "auto": "auto"}[args.checkpoint]
+    compile_option = {"true": True, "false": False, "auto": "auto"}[args.compile]
     # What bmtwrap.plan predicts for this run, printed beside the measured peak.
     offload_params = {"true": True, "false": False}.get(args.offload_params, "auto")
     offloading = args.optimizer.startswith("offload") or (args.optimizer == "auto" and args.max_gpu_memory is not None)
     planned = bmt.plan(model, world_size=ctx.world_size, checkpoint=checkpoint, batch_size=args.batch, seq_len=args.seq,
                        offload_optimizer=offloading, offload_fraction=fraction if offloading and fraction != "auto" else 1.0,
                        offload_params=offload_params, max_gpu_memory=args.max_gpu_memory,
-                       keep_logits=args.keep_logits).memory
-    compile_option = {"true": True, "false": False, "auto": "auto"}[args.compile]
+                       keep_logits=args.keep_logits, compile=compile_option).memory
     model = bmt.wrap(model, checkpoint=checkpoint, offload_params=offload_params,
                      max_gpu_memory=args.max_gpu_memory, keep_logits=args.keep_logits, compile=compile_option)
     bmt.materialize(model)

@@ -155,6 +155,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="activation checkpointing of the blocks, as wrap(checkpoint=...) (default auto, "
                            "planned as true, since wrap decides in the first step)")
     plan.add_argument("--no-checkpoint", action="store_true", help="the same as --checkpoint false")
+    plan.add_argument("--no-compile", action="store_true",
+                      help="plan eager blocks, as wrap(compile=False) (default: compiled, as wrap runs them on a GPU)")
     plan.add_argument("--max-gpu-memory", metavar="SIZE",
                       help="a GPU memory budget per rank, as wrap(max_gpu_memory=...), e.g. 24GiB: with --checkpoint "
                            "auto and a batch shape, the blocks whose activations fit are planned kept, and the plan "
@@ -199,7 +201,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(make_plan(model, world_size=args.world_size, checkpoint=checkpoint, batch_size=args.batch_size,
                     seq_len=args.seq_len, offload_optimizer=args.offload, offload_fraction=args.offload_fraction,
                     offload_params={"true": True, "false": False}.get(args.offload_params, "auto"),
-                    ranks_per_host=args.ranks_per_host, max_gpu_memory=budget))
+                    ranks_per_host=args.ranks_per_host, max_gpu_memory=budget, compile=not args.no_compile))
     return 0
 
 

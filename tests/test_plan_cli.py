@@ -132,3 +132,15 @@ def test_a_gpu_budget_plans_the_blocks_that_fit(folders, capsys):
     assert "max_gpu_memory 4.00 GiB, less a margin and the memory outside torch's allocator: 2.20 GiB; fits" in out
     with pytest.raises(SystemExit, match="--max-gpu-memory must be a size such as '24GiB'"):
         main(["plan", str(folders["llama"]), "--max-gpu-memory", "lots"])
+
+
+def test_no_compile_plans_eager_blocks(folders, capsys):
+    """--no-compile plans the eager blocks' larger recomputation, as plan(compile=False)."""
+    shape = ["--batch-size", "64", "--seq-len", "4096"]  # GiBs of activations, even at a width of 16
+
+    def activations(*options: str) -> float:
+        assert main(["plan", str(folders["llama"]), *shape, *options]) == 0
+        line = next(line for line in capsys.readouterr().out.splitlines() if "activations" in line)
+        return float(re.search(r"activations\s+([\d.]+) GiB", line).group(1))
+
+    assert activations("--no-compile") > activations() > 0

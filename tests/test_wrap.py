@@ -299,6 +299,21 @@ def test_plan_activations_follow_the_batch_and_the_vocabulary():
     assert large.loss_peak - fused.loss_peak == 12 * 64 * vocab - (64 * vocab * 4 + vocab * hidden * 4 + 64 * hidden * 4)
 
 
+def test_plan_a_compiled_block_recomputes_in_less():
+    """A compiled block's recomputation keeps what its layer saves, once; an eager one also its norms' fp32 values,
+    and twice (activations and their gradients). Nothing else in the estimate changes."""
+    from bmtwrap.wrap.plan import LAYER_FP32_H, LAYER_SAVED_H, LAYER_SAVED_I
+
+    compiled = bmt.plan(tiny_llama(), world_size=1, batch_size=4, seq_len=16).memory
+    eager = bmt.plan(tiny_llama(), world_size=1, batch_size=4, seq_len=16, compile=False).memory
+    config = tiny_llama().config
+    tokens, hidden, inner = 64, config.hidden_size, config.intermediate_size
+    kept = tokens * 4 * (LAYER_SAVED_H * hidden + LAYER_SAVED_I * inner)  # fp32 parameters here
+    assert eager.activations - compiled.activations == 2 * (kept + tokens * 4 * LAYER_FP32_H * hidden) - kept
+    assert (eager.params, eager.grads, eager.gathered, eager.loss_peak) == (
+        compiled.params, compiled.grads, compiled.gathered, compiled.loss_peak)
+
+
 def test_plan_peak_is_the_larger_of_the_loss_and_backward():
     """A large vocabulary peaks at the loss, before backward makes the gradients; a small one in backward."""
     wide = bmt.plan(tiny_llama(vocab_size=4096), world_size=1, batch_size=4, seq_len=32, keep_logits=True).memory

@@ -125,7 +125,7 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
          checkpoint: Checkpoint = "auto", batch_size: Optional[int] = None, seq_len: Optional[int] = None,
          offload_optimizer: bool = False, offload_fraction: float = 1.0, offload_params: Union[bool, str] = "auto",
          ranks_per_host: Optional[int] = None, max_gpu_memory: Union[int, str, None] = None,
-         keep_logits: bool = False) -> WrapPlan:
+         keep_logits: bool = False, compile: CompileOption = "auto") -> WrapPlan:
     """What :func:`wrap` would do to ``model``, without doing it (no collectives, no allocation).
 
     The memory estimate is per rank, on the GPU and on the host; its parameter, gradient and
@@ -153,6 +153,8 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
             ``min(world_size, 8)``.
         max_gpu_memory: a GPU budget per rank, as for :func:`wrap`; the plan says whether it fits.
         keep_logits: as for :func:`wrap`: plan for transformers' loss over the whole logits.
+        compile: as for :func:`wrap`; ``"auto"`` plans compiled blocks, as ``wrap`` runs them on a GPU
+            (a compiled block's recomputation keeps less: see the Note). ``False``: eager blocks.
 
     Returns:
         A :class:`~bmtwrap.wrap.plan.WrapPlan`; ``print(plan)`` shows it as a table.
@@ -185,7 +187,7 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
     offload = OffloadOptions(optimizer=offload_optimizer, fraction=offload_fraction, params=offload_params)
     return make_plan(model, world_size, layers=layers, checkpoint=checkpoint, batch_size=batch_size,
                      seq_len=seq_len, offload=offload, ranks_per_host=ranks_per_host, max_gpu_memory=budget,
-                     fused_loss=not keep_logits)[0]
+                     fused_loss=not keep_logits, compiled=compile is not False)[0]
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -24,7 +24,11 @@ The rest is a model of the peak of a training step of a transformer, the larger 
   gathered (the root group in full plus its full gradient, the two largest blocks, the running one
   and the prefetched one, and one block's full gradient before its reduce-scatter), the saved
   activations and one block's recomputation and backward, ``LAYER_SAVED`` values plus
-  ``LAYER_FP32`` fp32 values per token, twice (its activations and their gradients).
+  ``LAYER_FP32`` fp32 values per token, twice (its activations and their gradients). A compiled block
+  (``wrap(compile=...)``, on by default on a GPU) fuses its norms and elementwise work and keeps neither
+  the fp32 values nor a second copy: ``LAYER_SAVED`` values per token. Against peaks measured with
+  compiled blocks and the loss without the logits (8B on two and four H100s at 2 x 4096, 1B on one at
+  8 x 2048, every block checkpointed) the eager rule read 7 to 13 % high, this one within 6 %.
 Saved activations: each checkpointed block keeps its input, ``tokens x hidden`` values; an
 un-checkpointed block keeps what its layer saves (``LAYER_SAVED`` values per token). Gradients that
 accumulate over micro-batches are alive at the later losses too: the first moment then reads low.
@@ -376,7 +380,7 @@ def _loss_bytes(model: nn.Module, tokens: int, hidden: int, size: int, fused_los
 
 
 def _activations(model: nn.Module, blocks: List[GroupPlan], block_dtype: torch.dtype, batch_size: Optional[int],
-                 seq_len: Optional[int], fused_loss: bool) -> Optional[Tuple[int, int, int]]:
+                 seq_len: Optional[int], fused_loss: bool, compiled: bool) -> Optional[Tuple[int, int, int]]:
     """(saved activations, one block's recomputation and backward, the LM head's loss) in bytes, or
     ``None`` without a batch shape (see [Note: memory estimate])."""
     hidden = _config_int(model, "hidden_size", "d_model", "n_embd", "dim")
@@ -388,7 +392,7 @@ def _activations(model: nn.Module, blocks: List[GroupPlan], block_dtype: torch.d
     kept = tokens * size * (LAYER_SAVED_H * hidden + LAYER_SAVED_I * inner)  # what a layer saves for backward
     layer = kept + tokens * 4 * LAYER_FP32_H * hidden  # and, while it runs, its norms' fp32 values
     saved = sum(tokens * hidden * size if b.checkpoint else kept for b in blocks)
-    return saved, 2 * layer, _loss_bytes(model, tokens, hidden, size, fused_loss)
+    return saved, kept if compiled else 2 * layer, _loss_bytes(model, tokens, hidden, size, fused_loss)
 
 
 def _usable(budget: int, world_size: int) -> int:
@@ -429,7 +433,7 @@ def make_plan(model: nn.Module, world_size: int, *, layers: Optional[LayerPolicy
               checkpoint: Checkpoint = "auto", batch_size: Optional[int] = None, seq_len: Optional[int] = None,
               offload: OffloadOptions = OffloadOptions(), ranks_per_host: Optional[int] = None,
               max_gpu_memory: Optional[int] = None,
-              fused_loss: bool = True) -> Tuple[WrapPlan, List[Tuple[str, nn.Module]], Set[int]]:
+              fused_loss: bool = True, compiled: bool = True) -> Tuple[WrapPlan, List[Tuple[str, nn.Module]], Set[int]]:
     """The plan, the block modules it names, and the ids of the parameters kept in the root."""
     blocks, rule = find_blocks(model, layers)
     shared_ids, shared_names = shared_parameters(model, blocks)
@@ -463,7 +467,7 @@ def make_plan(model: nn.Module, world_size: int, *, layers: Optional[LayerPolicy
                    ("parameters and gradients", exact["host_params"]))
 
     def estimate(planned: List[GroupPlan]) -> MemoryEstimate:
-        parts = _activations(model, planned, block_dtype, batch_size, seq_len, fused_loss)
+        parts = _activations(model, planned, block_dtype, batch_size, seq_len, fused_loss, compiled)
         loss_peak = None
         if parts is not None:  # the root and the next block gathered, the saved activations, the loss
             saved, _, loss = parts
