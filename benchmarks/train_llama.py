@@ -174,6 +174,7 @@ def main() -> None:
     offloading = args.optimizer.startswith("offload") or (args.optimizer == "auto" and args.max_gpu_memory is not None)
     planned = bmt.plan(model, world_size=ctx.world_size, checkpoint=checkpoint, batch_size=args.batch, seq_len=args.seq,
                        offload_optimizer=offloading, offload_fraction=fraction if offloading and fraction != "auto" else 1.0,
+                       step_in_backward=args.optimizer == "offload-in-backward",
                        offload_params=offload_params, max_gpu_memory=args.max_gpu_memory,
                        keep_logits=args.keep_logits, compile=compile_option).memory
     model = bmt.wrap(model, checkpoint=checkpoint, offload_params=offload_params,

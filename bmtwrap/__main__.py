@@ -165,6 +165,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="plan for AdamOffloadOptimizer: optimizer state in host memory")
     plan.add_argument("--offload-fraction", type=float, default=1.0,
                       help="with --offload: the share of the optimizer state on the host (default 1.0)")
+    plan.add_argument("--step-in-backward", action="store_true",
+                      help="with --offload: the optimizer steps in backward (step_in_backward=True)")
     plan.add_argument("--offload-params", nargs="?", const="true", default="auto", choices=["true", "false", "auto"],
                       help="as wrap(offload_params=...): block parameters and gradients in host memory; auto "
                            "(default) decides from --max-gpu-memory as wrap does (without it: false)")
@@ -185,6 +187,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise SystemExit("give --batch-size and --seq-len together (the activation estimate needs both)")
     if args.offload_fraction != 1.0 and not args.offload:
         raise SystemExit("--offload-fraction applies to --offload; add --offload")
+    if args.step_in_backward and not args.offload:
+        raise SystemExit("--step-in-backward applies to --offload; add --offload")
     budget = None
     if args.max_gpu_memory is not None:
         try:
@@ -200,6 +204,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     checkpoint = {"true": True, "false": False, "auto": "auto"}["false" if args.no_checkpoint else args.checkpoint]
     print(make_plan(model, world_size=args.world_size, checkpoint=checkpoint, batch_size=args.batch_size,
                     seq_len=args.seq_len, offload_optimizer=args.offload, offload_fraction=args.offload_fraction,
+                    step_in_backward=args.step_in_backward,
                     offload_params={"true": True, "false": False}.get(args.offload_params, "auto"),
                     ranks_per_host=args.ranks_per_host, max_gpu_memory=budget, compile=not args.no_compile))
     return 0

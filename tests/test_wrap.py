@@ -253,6 +253,10 @@ def test_plan_with_offload_moves_state_to_the_host():
     root_shards = offload.root.shard_bytes
     assert both.memory.params == root_shards and both.memory.grads == root_shards  # blocks' shards on the host
     assert dict(both.memory.host_detail)["parameters and gradients"] >= 2 * sum(b.shard_bytes for b in both.blocks)
+    # Stepping in backward, a gradient shard whose state is on the host leaves the GPU once final: one at a time.
+    in_backward = bmt.plan(tiny_llama(), world_size=2, offload_optimizer=True, step_in_backward=True)
+    assert in_backward.memory.grads == max(g.shard_bytes for g in (in_backward.root, *in_backward.blocks))
+    assert in_backward.memory.grads < offload.memory.grads == on_gpu.memory.grads
     half = bmt.plan(tiny_llama(), world_size=2, offload_optimizer=True, offload_fraction=0.5)
     assert 0 < half.memory.optimizer < on_gpu.memory.optimizer
     with pytest.raises(ValueError, match="offload_fraction must be in \\[0, 1\\], got 1.5"):

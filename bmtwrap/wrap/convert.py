@@ -123,7 +123,8 @@ def _check_options(checkpoint: Checkpoint, zero_level: Optional[int]) -> None:
 
 def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional[LayerPolicy] = None,
          checkpoint: Checkpoint = "auto", batch_size: Optional[int] = None, seq_len: Optional[int] = None,
-         offload_optimizer: bool = False, offload_fraction: float = 1.0, offload_params: Union[bool, str] = "auto",
+         offload_optimizer: bool = False, offload_fraction: float = 1.0, step_in_backward: bool = False,
+         offload_params: Union[bool, str] = "auto",
          ranks_per_host: Optional[int] = None, max_gpu_memory: Union[int, str, None] = None,
          keep_logits: bool = False, compile: CompileOption = "auto") -> WrapPlan:
     """What :func:`wrap` would do to ``model``, without doing it (no collectives, no allocation).
@@ -147,6 +148,8 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
         offload_optimizer: plan for :class:`~bmtwrap.optim.AdamOffloadOptimizer` (optimizer state
             on the host) instead of :class:`~bmtwrap.optim.AdamOptimizer`.
         offload_fraction: the offload optimizer's ``offload_fraction``.
+        step_in_backward: the offload optimizer's ``step_in_backward``: the gradients of the state on the
+            host leave the GPU as backward makes them.
         offload_params: as for :func:`wrap`; ``"auto"`` (default) decides from ``max_gpu_memory`` (without
             one: ``False``).
         ranks_per_host: ranks sharing one host, for the per-host memory; default:
@@ -184,7 +187,8 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
     budget = None if max_gpu_memory is None else parse_bytes(max_gpu_memory)
     if offload_params == "auto":
         offload_params = offload_params_auto(model, world_size, budget)
-    offload = OffloadOptions(optimizer=offload_optimizer, fraction=offload_fraction, params=offload_params)
+    offload = OffloadOptions(optimizer=offload_optimizer, fraction=offload_fraction, params=offload_params,
+                             in_backward=step_in_backward)
     return make_plan(model, world_size, layers=layers, checkpoint=checkpoint, batch_size=batch_size,
                      seq_len=seq_len, offload=offload, ranks_per_host=ranks_per_host, max_gpu_memory=budget,
                      fused_loss=not keep_logits, compiled=compile is not False)[0]

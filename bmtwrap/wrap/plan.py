@@ -78,6 +78,8 @@ class OffloadOptions:
         optimizer: the optimizer is :class:`~bmtwrap.optim.AdamOffloadOptimizer`.
         fraction: its ``offload_fraction``: the share of the parameters whose state is on the host.
         params: ``wrap(offload_params=True)``: the blocks' shards and gradients in pinned memory.
+        in_backward: the optimizer's ``step_in_backward``: a gradient shard whose parameters' state is on the
+            host leaves the GPU as soon as it is final, so at most one such shard is there at a time.
         chunk_numel: elements per staging chunk of the offload optimizer.
         staging_slots: staging chunks in flight.
     """
@@ -85,6 +87,7 @@ class OffloadOptions:
     optimizer: bool = False
     fraction: float = 1.0
     params: bool = False
+    in_backward: bool = False
     chunk_numel: int = DEFAULT_CHUNK_NUMEL
     staging_slots: int = DEFAULT_SLOTS
 
@@ -350,6 +353,7 @@ def _rank_bytes(groups: _Groups, offload: OffloadOptions, rank: int) -> Dict[str
     """The exact parts of one rank's memory."""
     on_gpu = _state_on_gpu(groups, offload, rank)
     out = {"params": 0, "grads": 0, "optimizer": 0, "host_state": 0, "host_params": 0}
+    handed_over = 0  # with step_in_backward: the largest gradient shard that leaves for the host once final
     for in_block, buffer in groups.in_forward_order():
         shard = buffer.shard_size * _itemsize(buffer.dtype)
         on_host = in_block and offload.params
@@ -358,12 +362,18 @@ def _rank_bytes(groups: _Groups, offload: OffloadOptions, rank: int) -> Dict[str
             out["host_params"] += shard * (2 if buffer.requires_grad else 1)
         else:
             out["params"] += shard
-            out["grads"] += shard if buffer.requires_grad else 0
+            leaves = (offload.optimizer and offload.in_backward
+                      and not any((id(buffer), index) in on_gpu for index in range(len(buffer.params))))
+            if buffer.requires_grad and leaves:
+                handed_over = max(handed_over, shard)
+            elif buffer.requires_grad:
+                out["grads"] += shard
         if not buffer.requires_grad:
             continue
         for index, numel in enumerate(buffer.owned[rank]):
             where = "optimizer" if (id(buffer), index) in on_gpu else "host_state"
             out[where] += numel * adam_state_bytes(buffer.dtype, offloaded=where == "host_state")
+    out["grads"] += handed_over
     return out
 
 
