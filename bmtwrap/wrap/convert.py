@@ -46,7 +46,8 @@ from .auto import AutoRecompute, auto_recompute
 from .compiled import CompileOption, compile_options, compiled_forward
 from .detect import LayerPolicy
 from .instance_forward import replace_forward
-from .plan import Checkpoint, OffloadOptions, WrapPlan, make_plan, offload_params_auto
+from .plan import (PARAMS_SHARE, Checkpoint, OffloadOptions, WrapPlan, make_plan, offload_params_auto,
+                   params_and_grads_bytes)
 
 __all__ = ["StaleBuffer", "plan", "wrap", "wrapped_record"]
 
@@ -289,11 +290,13 @@ def _offload_params_chosen(model: nn.Module, ctx: _dist.DistContext, budget: Opt
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=ctx.group)
         chosen = bool(flag.item())
     if chosen:
-        where = "max_gpu_memory" if budget is not None else "the GPU"
-        warnings.warn(f"offload_params='auto': this {type(model).__name__}'s parameters and gradients would take most "
-                      f"of {where} on each of {ctx.world_size} rank(s), so the blocks' parameters stay in host memory "
-                      "and are copied in at each gather (slower); pass offload_params=False to keep them on the GPU, "
-                      "or shard over more GPUs", UserWarning, stacklevel=3)
+        where = f"max_gpu_memory={budget / 2**30:.1f} GiB" if budget is not None else "the card"
+        warnings.warn(f"offload_params='auto': this {type(model).__name__}'s parameters and gradients take "
+                      f"{params_and_grads_bytes(model, ctx.world_size) / 2**30:.1f} GiB on each of {ctx.world_size} "
+                      f"rank(s), more than {PARAMS_SHARE:.0%} of what {where} leaves usable, so the blocks' "
+                      "parameters stay in host memory and are copied in at each gather (slower); pass "
+                      "offload_params=False to keep them on the GPU, or shard over more GPUs",
+                      UserWarning, stacklevel=3)
     return chosen
 
 

@@ -420,11 +420,13 @@ def offload_params_auto(model: nn.Module, world_size: int, limit: Optional[int])
     whose parameters and gradients alone fill most of the card does not train with them there, and with them on
     the host it does (at the cost of a copy per gather).
     """
-    if limit is None:
-        return False
+    return limit is not None and params_and_grads_bytes(model, world_size) > PARAMS_SHARE * _usable(limit, world_size)
+
+
+def params_and_grads_bytes(model: nn.Module, world_size: int) -> int:
+    """One rank's share of the model's parameters and of the gradients of the trainable ones, in bytes."""
     unique = {id(p): p for p in model.parameters()}.values()
-    sharded = sum(p.numel() * p.element_size() * (2 if p.requires_grad else 1) for p in unique) / world_size
-    return sharded > PARAMS_SHARE * _usable(limit, world_size)
+    return sum(p.numel() * p.element_size() * (2 if p.requires_grad else 1) for p in unique) // world_size
 
 
 def _keep_what_fits(blocks: List[GroupPlan], estimate: Callable[[List[GroupPlan]], MemoryEstimate], budget: int,
