@@ -17,8 +17,8 @@ from typing import Optional, Protocol, Union
 
 import torch
 
-__all__ = ["MARGIN", "CudaGauge", "cap_allocator", "Gauge", "format_bytes", "gauge_for", "margin_bytes", "out_of_memory_advice",
-           "outside_allocator_estimate", "parse_bytes"]
+__all__ = ["MARGIN", "CudaGauge", "cap_allocator", "Gauge", "format_bytes", "gauge_for", "margin_bytes",
+           "out_of_memory_advice", "outside_allocator_estimate", "parse_bytes"]
 
 # Share of the card checkpoint="auto" leaves unplanned (at least MIN_MARGIN): what varies between steps
 # (another sequence length, the allocator's rounding) and what its prediction cannot see.
