@@ -17,8 +17,8 @@ from typing import Optional, Protocol, Union
 
 import torch
 
-__all__ = ["MARGIN", "CudaGauge", "cap_allocator", "Gauge", "format_bytes", "gauge_for", "margin_bytes",
-           "out_of_memory_advice", "outside_allocator_estimate", "parse_bytes"]
+__all__ = ["MARGIN", "CudaGauge", "cap_allocator", "ceiling_bytes", "Gauge", "format_bytes", "gauge_for",
+           "margin_bytes", "out_of_memory_advice", "outside_allocator_estimate", "parse_bytes"]
 
 # Share of the card checkpoint="auto" leaves unplanned (at least MIN_MARGIN): what varies between steps
 # (another sequence length, the allocator's rounding) and what its prediction cannot see.
@@ -82,6 +82,16 @@ def cap_allocator(device: torch.device, budget: int, world_size: int) -> int:
     cap = max(0, min(budget, card) - outside_allocator_estimate(world_size) - CAP_SLACK)
     torch.cuda.set_per_process_memory_fraction(cap / card, device)
     return cap
+
+
+def ceiling_bytes(gauge: "Gauge", budget: Optional[int], cap: Optional[int]) -> int:
+    """Bytes the process may take from the card, as ``nvidia-smi`` counts: the card, or ``budget`` (at most the
+    card); under a capped allocator (``cap_allocator``), at most the cap plus the memory outside the allocator now."""
+    card = gauge.card_bytes()
+    if budget is None:
+        return card
+    ceiling = min(budget, card)
+    return ceiling if cap is None else min(ceiling, cap + gauge.outside_allocator())
 
 
 def margin_bytes(card: int) -> int:

@@ -9,7 +9,7 @@ import torch
 
 from .. import ops
 from ..engine.dist import is_initialized
-from ..engine.memory import CudaGauge
+from ..engine.memory import CudaGauge, ceiling_bytes
 from ..engine.group import ROOT_LABEL
 from ..engine.offload import (DEFAULT_CHUNK_NUMEL, DEFAULT_SLOTS, adam_state_bytes, expandable_segments,
                               host_available_bytes, host_empty, host_zeros)
@@ -236,12 +236,11 @@ class AdamOffloadOptimizer(_AdamBase):
         if not cuda:
             return
         device = cuda[0].device
-        total = torch.cuda.get_device_properties(device).total_memory
-        outside = CudaGauge(device).outside_allocator()  # the CUDA context, NCCL: the card and a budget count them
-        if is_initialized() and engine().max_gpu_memory is not None:
-            total = min(total, engine().max_gpu_memory)  # wrap(max_gpu_memory=...)
-            if engine().allocator_cap is not None:  # and the allocator's reserve stays under its cap
-                total = min(total, engine().allocator_cap + outside)
+        gauge = CudaGauge(device)
+        outside = gauge.outside_allocator()  # the CUDA context, NCCL: the card and a budget count them
+        budgeted = is_initialized() and engine().max_gpu_memory is not None  # wrap(max_gpu_memory=...)
+        total = ceiling_bytes(gauge, engine().max_gpu_memory if budgeted else None,
+                              engine().allocator_cap if budgeted else None)
         peak = torch.cuda.max_memory_allocated(device)
         headroom = AUTO_HEADROOM + (0.0 if self._expandable else FIXED_SEGMENTS_HEADROOM)
         budget = total * (1.0 - headroom) - peak - outside

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Iterable
 
 import torch
@@ -14,7 +15,8 @@ from .adam_offload import AdamOffloadOptimizer
 __all__ = ["auto_adam", "wants_offload"]
 
 # AdamOffloadOptimizer's own arguments, dropped when auto_adam builds AdamOptimizer.
-OFFLOAD_ONLY = ("step_in_backward", "chunk_numel", "staging_slots", "cpu_threads", "offload_fraction")
+OFFLOAD_ONLY = frozenset(inspect.signature(AdamOffloadOptimizer).parameters) - set(
+    inspect.signature(AdamOptimizer).parameters)
 
 
 def wants_offload(params: Iterable[torch.Tensor]) -> bool:

@@ -36,11 +36,11 @@ import torch
 import torch.distributed as dist
 
 from ..engine import dist as _dist
-from ..engine.memory import Gauge, format_bytes, gauge_for, margin_bytes
+from ..engine.memory import Gauge, ceiling_bytes, format_bytes, gauge_for, margin_bytes
 from ..engine.runners import BlockRunner, RootRunner
 from ..engine.schedule import engine
 
-__all__ = ["AutoRecompute", "WATCH_STEPS"]
+__all__ = ["AutoRecompute", "WATCH_STEPS", "agree_max"]
 
 # Steps after the decision whose peaks are checked, and in which an out-of-memory kept block recovers.
 WATCH_STEPS = 3
@@ -86,18 +86,12 @@ class AutoRecompute:
 
     def _ceiling(self) -> int:
         """Bytes the process may take from the card: ``max_gpu_memory`` (with the allocator's cap), at most the card."""
-        card = self._gauge.card_bytes()
-        if self._budget is None:
-            return card
-        # Under a budget the allocator is capped (memory.cap_allocator): its reserve stays under the cap, whatever
-        # the memory outside it leaves.
-        cap = engine().allocator_cap
-        ceiling = min(self._budget, card)
-        return ceiling if cap is None else min(ceiling, cap + self._gauge.outside_allocator())
+        return ceiling_bytes(self._gauge, self._budget, engine().allocator_cap)
 
     def limit(self) -> int:
         """Bytes the process may take from the card, less the margin."""
-        return self._ceiling() - margin_bytes(self._ceiling())
+        ceiling = self._ceiling()
+        return ceiling - margin_bytes(ceiling)
 
     # --- the engine's calls ------------------------------------------------------------------
     def _measured(self, runner: BlockRunner, nbytes: int) -> None:
@@ -149,7 +143,7 @@ class AutoRecompute:
                 break
             room -= size
             count += 1
-        count = -_agree_max([-count])[0]  # the fewest any rank can keep
+        count = -agree_max([-count])[0]  # the fewest any rank can keep
         for runner in self._runners[:count]:
             runner.keep_activations()
             self.kept.append(runner)
@@ -174,7 +168,7 @@ class AutoRecompute:
         margin = margin_bytes(self._ceiling())
         # Every rank gives back what the rank nearest its limit must, and keeps no more blocks than the rank that
         # keeps the fewest (one that recovered from running out of memory).
-        overshoot, fewest = _agree_max([max(0, used - (limit + margin // 2)), -len(self.kept)])
+        overshoot, fewest = agree_max([max(0, used - (limit + margin // 2)), -len(self.kept)])
         fewest = -fewest
         freed = self._give_back(overshoot) if overshoot > 0 else 0
         freed += self._keep_first(min(fewest, len(self.kept)))
@@ -224,13 +218,13 @@ class AutoRecompute:
         return True
 
 
-def _agree_max(values: List[int]) -> List[int]:
-    """The largest of each of ``values`` over the ranks (one small all-reduce)."""
+def agree_max(values: List[int], label: str = "checkpoint='auto'") -> List[int]:
+    """The largest of each of ``values`` over the ranks (one small all-reduce, named ``label`` to the watchdog)."""
     ctx = _dist.current()
     if ctx.world_size == 1:
         return values
     tensor = torch.tensor(values, dtype=torch.int64, device=ctx.device)
-    with ctx.watched("all-reduce", "checkpoint='auto'"):
+    with ctx.watched("all-reduce", label):
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=ctx.group)
     return tensor.tolist()
 

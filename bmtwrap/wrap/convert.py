@@ -42,7 +42,7 @@ from ..engine.runners import BlockModule, BlockRunner, RootRunner
 from ..engine.shard import build_group, unshard_group
 from ..engine.schedule import engine
 from .adapters import ModelAdapter, adapter_for
-from .auto import AutoRecompute, auto_recompute
+from .auto import AutoRecompute, agree_max, auto_recompute
 from .compiled import CompileOption, compile_options, compiled_forward
 from .detect import LayerPolicy
 from .instance_forward import replace_forward
@@ -284,11 +284,8 @@ def _offload_params_chosen(model: nn.Module, ctx: _dist.DistContext, budget: Opt
         return False
     card = torch.cuda.get_device_properties(ctx.device).total_memory
     chosen = offload_params_auto(model, ctx.world_size, card if budget is None else min(budget, card))
-    if ctx.world_size > 1:  # budgets or cards may differ between ranks; offloading on any means on all
-        flag = torch.tensor([int(chosen)], device=ctx.device)
-        with ctx.watched("all-reduce", "offload_params='auto'"):
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=ctx.group)
-        chosen = bool(flag.item())
+    # Budgets or cards may differ between ranks; offloading on any means on all.
+    chosen = bool(agree_max([int(chosen)], "offload_params='auto'")[0])
     if chosen:
         where = f"max_gpu_memory={budget / 2**30:.1f} GiB" if budget is not None else "the card"
         warnings.warn(f"offload_params='auto': this {type(model).__name__}'s parameters and gradients take "
