@@ -111,20 +111,21 @@ def test_a_gpu_budget_plans_the_blocks_that_fit(folders, capsys):
     import torch
     with torch.device("meta"):
         model = MODELS["llama"]()
-    fixed = bmt.plan(model, batch_size=2, seq_len=16)
+    shape = dict(batch_size=2, seq_len=4096)  # activations that outweigh the gradients, as in a real model
+    fixed = bmt.plan(model, **shape)
     assert fixed.fits is None and all(b.checkpoint for b in fixed.blocks)
-    roomy = bmt.plan(model, batch_size=2, seq_len=16, max_gpu_memory="4GiB")
+    roomy = bmt.plan(model, **shape, max_gpu_memory="4GiB")
     assert roomy.fits and [b.checkpoint for b in roomy.blocks] == [False, False]
     assert roomy.memory.total > fixed.memory.total  # kept activations cost more than the checkpointed inputs
     # At least 512 MiB of margin, and 1.3 GiB a process takes outside torch's allocator (one rank).
     reserved = 512 * 2**20 + int(1.3 * 2**30)
-    tight = bmt.plan(model, batch_size=2, seq_len=16, max_gpu_memory=fixed.memory.total + reserved)
+    tight = bmt.plan(model, **shape, max_gpu_memory=fixed.memory.total + reserved)
     assert [b.checkpoint for b in tight.blocks] == [True, True] and tight.fits  # no room beyond them
     one = roomy.memory.total - fixed.memory.total  # two blocks' activations, less their checkpointed inputs
-    between = bmt.plan(model, batch_size=2, seq_len=16, max_gpu_memory=fixed.memory.total + reserved + one // 2)
+    between = bmt.plan(model, **shape, max_gpu_memory=fixed.memory.total + reserved + one // 2)
     assert [b.checkpoint for b in between.blocks] == [False, True]
-    assert not bmt.plan(model, batch_size=2, seq_len=16, max_gpu_memory=reserved + 100).fits
-    two = bmt.plan(model, world_size=2, batch_size=2, seq_len=16, max_gpu_memory=fixed.memory.total + reserved)
+    assert not bmt.plan(model, **shape, max_gpu_memory=reserved + 100).fits
+    two = bmt.plan(model, world_size=2, **shape, max_gpu_memory=fixed.memory.total + reserved)
     assert not two.fits  # NCCL's buffers: 0.3 GiB more outside the allocator in a job of two
 
     main(["plan", str(folders["llama"]), "--batch-size", "2", "--seq-len", "16", "--max-gpu-memory", "4GiB"])

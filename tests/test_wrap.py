@@ -325,9 +325,21 @@ def test_plan_peak_is_the_larger_of_the_loss_and_backward():
     assert wide.total < wide.backward_peak + 12 * 4 * 32 * 4096  # the gradients are not summed with the loss
     narrow = bmt.plan(tiny_llama(vocab_size=8), world_size=1, batch_size=4, seq_len=32, keep_logits=True).memory
     assert narrow.backward_peak > narrow.loss_peak and narrow.total == narrow.backward_peak
-    parts = (narrow.params, narrow.grads, narrow.optimizer, narrow.gathered, narrow.activations)
-    assert narrow.backward_peak == sum(parts)
     assert bmt.plan(tiny_llama(), world_size=1).memory.loss_peak is None  # no batch shape
+
+
+def test_plan_backward_peak_follows_the_blocks_last_to_first():
+    """Backward runs the blocks last to first: at block i the gradient shards of blocks i and after (and the root's)
+    are there beside the activations saved by blocks i and before, and one block's recomputation."""
+    for seq_len in (8, 4096):  # the gradients outweigh the activations, then the other way round
+        plan = bmt.plan(tiny_llama(vocab_size=8), world_size=1, batch_size=4, seq_len=seq_len, keep_logits=True)
+        m, (g0, g1) = plan.memory, [b.shard_bytes for b in plan.blocks]
+        saved = 4 * seq_len * tiny_llama().config.hidden_size * 4  # each checkpointed block's fp32 input
+        recompute = m.activations - 2 * saved
+        other = m.grads - g0 - g1  # the root's
+        walk = max(other + g1 + 2 * saved, other + g0 + g1 + saved)
+        assert m.backward_peak == m.params + m.optimizer + m.gathered + walk + recompute
+        assert m.backward_peak < m.params + m.grads + m.optimizer + m.gathered + m.activations
 
 
 def test_plan_command(tmp_path):

@@ -20,15 +20,18 @@ The rest is a model of the peak of a training step of a transformer, the larger 
   after forward when only the loss is kept). A wrapped model whose loss is computed without the
   logits (``head_loss.py``) holds one chunk of 16-bit logits (``HEAD_CHUNK`` tokens), the fp32
   gradient of the projection and the 16-bit gradient of its input instead;
-- backward, with every gradient shard: the parameters, gradients and optimizer state, what is
+- backward, at its peak: the blocks run last to first, so at block i the gradient shards of blocks i
+  and after (and the root's) are there beside the activations saved by blocks i and before; the peak
+  is the largest of these sums (at the first block when every block is checkpointed, unless the
+  activations outweigh the gradients). Beside them: the parameters and optimizer state, what is
   gathered (the root group in full plus its full gradient, the two largest blocks, the running one
-  and the prefetched one, and one block's full gradient before its reduce-scatter), the saved
-  activations and one block's recomputation and backward, ``LAYER_SAVED`` values plus
-  ``LAYER_FP32`` fp32 values per token, twice (its activations and their gradients). A compiled block
-  (``wrap(compile=...)``, on by default on a GPU) fuses its norms and elementwise work and keeps neither
-  the fp32 values nor a second copy: ``LAYER_SAVED`` values per token. Against peaks measured with
-  compiled blocks and the loss without the logits (8B on two and four H100s at 2 x 4096, 1B on one at
-  8 x 2048, every block checkpointed) the eager rule read 7 to 13 % high, this one within 6 %.
+  and the prefetched one, and one block's full gradient before its reduce-scatter), and one block's
+  recomputation and backward, ``LAYER_SAVED`` values plus ``LAYER_FP32`` fp32 values per token, twice
+  (its activations and their gradients). A compiled block (``wrap(compile=...)``, on by default on a
+  GPU) fuses its norms and elementwise work and keeps neither the fp32 values nor a second copy:
+  ``LAYER_SAVED`` values per token. Against 13 peaks measured on H100s and H200s (1B, 3B and 8B on one,
+  two and four GPUs; eager and compiled blocks; checkpointed, kept and under a budget, with the
+  optimizer and the parameters offloaded) this reads from -7.6 % to +5.2 %.
 Saved activations: each checkpointed block keeps its input, ``tokens x hidden`` values; an
 un-checkpointed block keeps what its layer saves (``LAYER_SAVED`` values per token). Gradients that
 accumulate over micro-batches are alive at the later losses too: the first moment then reads low.
@@ -133,6 +136,8 @@ class MemoryEstimate:
         loss_peak: GPU bytes while the loss is computed, before any gradient exists: parameters,
             optimizer state, the root and one block gathered, saved activations and the LM head's
             fp32 cross-entropy; ``None`` without a batch shape.
+        backward: GPU bytes at backward's peak: as the blocks run last to first, the gradient shards made so
+            far beside the activations not yet used; ``None`` without a batch shape.
         host: CPU memory of this rank: offloaded optimizer state (exact), pinned staging,
             offloaded shards and gradients.
         host_detail: ``host`` by part, for the printout.
@@ -146,6 +151,7 @@ class MemoryEstimate:
     host: int = 0
     host_detail: Tuple[Tuple[str, int], ...] = ()
     loss_peak: Optional[int] = None
+    backward: Optional[int] = None
 
     @property
     def total(self) -> int:
@@ -154,7 +160,10 @@ class MemoryEstimate:
 
     @property
     def backward_peak(self) -> int:
-        """GPU bytes in backward: every part above but ``host`` and ``loss_peak``."""
+        """GPU bytes at backward's peak: :attr:`backward` given a batch shape, else every part above but ``host``
+        and ``loss_peak`` (all the gradients and all the activations at once)."""
+        if self.backward is not None:
+            return self.backward
         return self.params + self.grads + self.optimizer + self.gathered + (self.activations or 0)
 
 
@@ -324,10 +333,11 @@ class _Groups(NamedTuple):
     root: List[_Buffer]
     blocks: List[List[_Buffer]]
 
-    def in_forward_order(self) -> Iterator[Tuple[bool, _Buffer]]:
-        """(is a block's, buffer), the root first: the order the offload optimizer keeps state on the GPU."""
-        yield from ((False, b) for b in self.root)
-        yield from ((True, b) for group in self.blocks for b in group)
+    def in_forward_order(self) -> Iterator[Tuple[Optional[int], _Buffer]]:
+        """(the block's index, ``None`` for the root; buffer), the root first: the order the offload optimizer
+        keeps state on the GPU."""
+        yield from ((None, b) for b in self.root)
+        yield from ((index, b) for index, group in enumerate(self.blocks) for b in group)
 
 
 def _state_on_gpu(groups: _Groups, offload: OffloadOptions, rank: int) -> Set[Tuple[int, int]]:
@@ -336,8 +346,8 @@ def _state_on_gpu(groups: _Groups, offload: OffloadOptions, rank: int) -> Set[Tu
         return {(id(b), i) for _, b in groups.in_forward_order() if b.requires_grad for i in range(len(b.params))}
     if offload.fraction == 1.0:
         return set()
-    pieces = [(in_block, b, i, b.owned[rank][i]) for in_block, b in groups.in_forward_order() if b.requires_grad
-              for i in range(len(b.params))]
+    pieces = [(block is not None, b, i, b.owned[rank][i]) for block, b in groups.in_forward_order()
+              if b.requires_grad for i in range(len(b.params))]
     budget = (1.0 - offload.fraction) * sum(n for *_, n in pieces)
     kept = set()
     for in_block, buffer, index, numel in pieces:
@@ -350,14 +360,14 @@ def _state_on_gpu(groups: _Groups, offload: OffloadOptions, rank: int) -> Set[Tu
 
 
 def _rank_bytes(groups: _Groups, offload: OffloadOptions, rank: int) -> Dict[str, int]:
-    """The exact parts of one rank's memory."""
+    """The exact parts of one rank's memory; ``("block grads", i)``: block ``i``'s gradient shards kept on the GPU."""
     on_gpu = _state_on_gpu(groups, offload, rank)
     out = {"params": 0, "grads": 0, "optimizer": 0, "host_state": 0, "host_params": 0}
+    out.update({("block grads", i): 0 for i in range(len(groups.blocks))})
     handed_over = 0  # with step_in_backward: the largest gradient shard that leaves for the host once final
-    for in_block, buffer in groups.in_forward_order():
+    for block, buffer in groups.in_forward_order():
         shard = buffer.shard_size * _itemsize(buffer.dtype)
-        on_host = in_block and offload.params
-        if on_host:
+        if block is not None and offload.params:
             # The shard, and (trainable) the gradient shard copied to the host, both pinned.
             out["host_params"] += shard * (2 if buffer.requires_grad else 1)
         else:
@@ -368,6 +378,8 @@ def _rank_bytes(groups: _Groups, offload: OffloadOptions, rank: int) -> Dict[str
                 handed_over = max(handed_over, shard)
             elif buffer.requires_grad:
                 out["grads"] += shard
+                if block is not None:
+                    out[("block grads", block)] += shard
         if not buffer.requires_grad:
             continue
         for index, numel in enumerate(buffer.owned[rank]):
@@ -390,9 +402,10 @@ def _loss_bytes(model: nn.Module, tokens: int, hidden: int, size: int, fused_los
 
 
 def _activations(model: nn.Module, blocks: List[GroupPlan], block_dtype: torch.dtype, batch_size: Optional[int],
-                 seq_len: Optional[int], fused_loss: bool, compiled: bool) -> Optional[Tuple[int, int, int]]:
-    """(saved activations, one block's recomputation and backward, the LM head's loss) in bytes, or
-    ``None`` without a batch shape (see [Note: memory estimate])."""
+                 seq_len: Optional[int], fused_loss: bool,
+                 compiled: bool) -> Optional[Tuple[List[int], int, int]]:
+    """(the activations each block saves, one block's recomputation and backward, the LM head's loss) in bytes,
+    or ``None`` without a batch shape (see [Note: memory estimate])."""
     hidden = _config_int(model, "hidden_size", "d_model", "n_embd", "dim")
     if batch_size is None or seq_len is None or hidden is None or not blocks:
         return None
@@ -401,7 +414,7 @@ def _activations(model: nn.Module, blocks: List[GroupPlan], block_dtype: torch.d
     size = _itemsize(block_dtype)
     kept = tokens * size * (LAYER_SAVED_H * hidden + LAYER_SAVED_I * inner)  # what a layer saves for backward
     layer = kept + tokens * 4 * LAYER_FP32_H * hidden  # and, while it runs, its norms' fp32 values
-    saved = sum(tokens * hidden * size if b.checkpoint else kept for b in blocks)
+    saved = [tokens * hidden * size if b.checkpoint else kept for b in blocks]
     return saved, kept if compiled else 2 * layer, _loss_bytes(model, tokens, hidden, size, fused_loss)
 
 
@@ -478,21 +491,31 @@ def make_plan(model: nn.Module, world_size: int, *, layers: Optional[LayerPolicy
     host_detail = (("optimizer state", exact["host_state"]), ("pinned staging", staging),
                    ("parameters and gradients", exact["host_params"]))
 
+    block_grads = [exact[("block grads", i)] for i in range(len(block_buffers))]
+    other_grads = max(r["grads"] - sum(r[("block grads", i)] for i in range(len(block_buffers))) for r in ranks)
+
     def estimate(planned: List[GroupPlan]) -> MemoryEstimate:
         parts = _activations(model, planned, block_dtype, batch_size, seq_len, fused_loss, compiled)
-        loss_peak = None
-        if parts is not None:  # the root and the next block gathered, the saved activations, the loss
-            saved, _, loss = parts
-            loss_peak = exact["params"] + exact["optimizer"] + root.padded_bytes + sum(largest[:1]) + saved + loss
+        loss_peak = backward = None
+        if parts is not None:
+            saved, recompute, loss = parts
+            # At the loss: the root and the next block gathered, the saved activations, the loss.
+            loss_peak = exact["params"] + exact["optimizer"] + root.padded_bytes + sum(largest[:1]) + sum(saved) + loss
+            # Backward runs the blocks last to first: at block i the gradient shards of blocks i and after (and
+            # the root's) are there, and of the activations those saved by blocks i and before.
+            walk = max((other_grads + sum(block_grads[i:]) + sum(saved[:i + 1]) for i in range(len(saved))),
+                       default=exact["grads"])
+            backward = exact["params"] + exact["optimizer"] + gathered + walk + recompute
         return MemoryEstimate(
             params=exact["params"],
             grads=exact["grads"],
             optimizer=exact["optimizer"],
             gathered=gathered,
-            activations=None if parts is None else parts[0] + parts[1],
+            activations=None if parts is None else sum(parts[0]) + parts[1],
             host=sum(size for _, size in host_detail),
             host_detail=host_detail,
             loss_peak=loss_peak,
+            backward=backward,
         )
 
     if checkpoint == "auto" and max_gpu_memory is not None and batch_size is not None and seq_len is not None:
