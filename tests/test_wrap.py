@@ -63,29 +63,40 @@ def test_wrapping_twice_with_other_options_is_an_error():
 def test_a_model_nobody_refers_to_is_freed():
     """The engine refers weakly to what wrap made of a model: once the program drops the model and its optimizer,
     the model, its parameters and its flat buffers are freed (on a GPU, their memory with them), and a model built
-    next trains alone."""
+    next trains alone. So after training steps, after an evaluation forward, and after a forward whose backward
+    never came."""
     import gc
     import weakref
 
     from bmtwrap.engine.schedule import engine
 
+    ids = torch.randint(0, 64, (2, 8))
+
     def train(model):
         optimizer = bmt.optim.AdamOptimizer(model.parameters(), lr=1e-3)
-        ids = torch.randint(0, model.config.vocab_size, (2, 8))
         for _ in range(2):
             model(input_ids=ids, labels=ids).loss.backward()
             optimizer.step()
             optimizer.zero_grad()
         return optimizer
 
-    model = bmt.wrap(tiny_llama())
-    optimizer = train(model)
-    param = next(model.parameters())
-    buffer, _ = engine().registry.lookup(param)
-    refs = [weakref.ref(x) for x in (model, param, buffer, buffer.full)]
-    del model, optimizer, param, buffer
-    gc.collect()
-    assert [r() is None for r in refs] == [True] * 4
+    def evaluate(model):
+        with torch.no_grad():
+            model(input_ids=ids, labels=ids)
+
+    def forward_only(model):
+        model(input_ids=ids, labels=ids)
+
+    for use in (train, evaluate, forward_only):
+        model = bmt.wrap(tiny_llama())
+        kept = use(model)
+        pieces = [next(model.parameters()), model.model.layers[1].mlp.up_proj.weight]  # the root's and a block's
+        buffers = [engine().registry.lookup(p)[0] for p in pieces]
+        refs = [weakref.ref(x) for x in (model, *pieces, *buffers, *(b.full for b in buffers))]
+        del model, kept, pieces, buffers
+        while gc.collect():  # cycles through tensors can take more than one pass
+            pass
+        assert [r() is None for r in refs] == [True] * len(refs), use.__name__
     assert train(bmt.wrap(tiny_llama())) is not None
 
 

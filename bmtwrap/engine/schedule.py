@@ -111,8 +111,10 @@ class ExecutionOrder:
     """
 
     def __init__(self) -> None:
-        self._last: Optional[Linked] = None
-        self._root: Optional[Participant] = None  # the root whose forward runs, None for blocks run alone
+        # Weak, as the engine's other references to a model's parts: a forward that no backward follows (evaluation,
+        # generation) leaves them set, and must not keep a model the program dropped alive.
+        self._last: Optional["weakref.ref[Linked]"] = None
+        self._root: Optional["weakref.ref[Participant]"] = None  # the running forward's root; None: blocks alone
         # The block that first ran first in a forward of each root (models do not share their first block).
         self._firsts: "weakref.WeakKeyDictionary[Participant, Linked]" = weakref.WeakKeyDictionary()
         self.known = False  # a whole step (forward and backward) has been seen
@@ -122,20 +124,21 @@ class ExecutionOrder:
         return self._firsts.get(root)
 
     def record(self, block: Linked) -> None:
-        last = self._last
-        if last is None and self._root is not None and self._root not in self._firsts:
-            self._firsts[self._root] = block
+        last = self._last() if self._last is not None else None
+        root = self._root() if self._root is not None else None
+        if last is None and root is not None and root not in self._firsts:
+            self._firsts[root] = block
         if last is not None and last is not block:
             if last.next_block is None:
                 last.next_block = block
             if block.prev_block is None:
                 block.prev_block = last
-        self._last = block
+        self._last = weakref.ref(block)
 
     def restart(self, root: Optional[Participant] = None) -> None:
         """A new forward begins (``root``'s, or blocks run alone): the next block recorded has no predecessor."""
         self._last = None
-        self._root = root
+        self._root = None if root is None else weakref.ref(root)
 
     def step_seen(self) -> None:
         """A whole step ended (its backward finished): restart, and the links are now known."""
@@ -209,7 +212,9 @@ class Engine:
         # Told of each buffer whose gradient is final for this backward (an optimizer stepping in
         # backward); weak, so that a discarded optimizer drops out.
         self._grad_listeners: List["weakref.WeakMethod[Callable[[FlatBuffer], None]]"] = []
-        self._in_backward: List[Participant] = []  # participants that ran forward with grad
+        # Participants that ran forward with grad, weakly: a forward whose backward never comes (its output dropped)
+        # must not keep a model the program dropped alive.
+        self._in_backward: List["weakref.ref[Participant]"] = []
         self._callback_task = -1  # the autograd graph task our end-of-backward callback is queued on
         # Offloaded buffers whose gradients this backward copies to the host (see [Note: offloaded shards]).
         self._host_grads: Dict[int, FlatBuffer] = {}
@@ -373,8 +378,16 @@ class Engine:
 
     def forward_with_grad(self, participant: Participant) -> None:
         """``participant`` ran forward with autograd recording; it takes part in the next backward."""
-        if not any(p is participant for p in self._in_backward):
-            self._in_backward.append(participant)
+        if not any(p is participant for p in self._backward_participants()):
+            self._in_backward.append(weakref.ref(participant))
+
+    def _backward_participants(self) -> List[Participant]:
+        """The live participants that ran forward with grad since the last backward."""
+        return [p for p in (ref() for ref in self._in_backward) if p is not None]
+
+    def _take_backward_participants(self) -> List[Participant]:
+        participants, self._in_backward = self._backward_participants(), []
+        return participants
 
     def register_block(self, module: nn.Module, runner: Linked) -> None:
         """``runner`` runs ``module`` as a block from now on."""
@@ -511,7 +524,8 @@ class Engine:
     @contextlib.contextmanager
     def roots_shown(self) -> Iterator[None]:
         """Roots that ran forward with grad show their full parameters (see RootRunner.show_for_recompute)."""
-        shown = [p for p in self._in_backward if getattr(p, "show_for_recompute", None) and p.show_for_recompute()]
+        shown = [p for p in self._backward_participants()
+                 if getattr(p, "show_for_recompute", None) and p.show_for_recompute()]
         try:
             yield
         finally:
@@ -530,7 +544,7 @@ class Engine:
         for reduction, _ in pending:
             reduction.discard()
         self._wait_host_grads()
-        participants, self._in_backward = self._in_backward, []
+        participants = self._take_backward_participants()
         for participant in participants:
             participant.backward_done()
         self._callback_task = -1
@@ -541,7 +555,7 @@ class Engine:
         self._callback_task = -1
         self.finish_reductions()
         self._wait_host_grads()
-        participants, self._in_backward = self._in_backward, []
+        participants = self._take_backward_participants()
         for participant in participants:
             participant.backward_done()
         self.schedule.order.step_seen()
