@@ -12,8 +12,12 @@ import torch
 from bmtwrap.engine.schedule import Engine, Schedule, TrainingState, in_backward
 
 
+class Fake(SimpleNamespace):
+    """A stand-in for a runner: attributes as given, and weakly referable, as the engine refers to runners."""
+
+
 def _block(name):
-    return SimpleNamespace(group=f"group {name}", next_block=None, prev_block=None, backward_done=lambda: None)
+    return Fake(group=f"group {name}", next_block=None, prev_block=None, backward_done=lambda: None)
 
 
 class _Root:
@@ -63,11 +67,11 @@ def test_the_last_block_is_known_only_after_a_whole_step():
 
 
 def test_engine_state_follows_roots_and_blocks():
-    eng = Engine(SimpleNamespace(rank=0))
+    eng = Engine(Fake(rank=0))
     shared, other = object(), object()  # flat buffers, as far as the engine cares
-    root = SimpleNamespace(group=SimpleNamespace(buffers=[shared]), backward_done=lambda: None)
-    nested = SimpleNamespace(group=SimpleNamespace(buffers=[other]), backward_done=lambda: None)
-    covered = SimpleNamespace(group=SimpleNamespace(buffers=[shared]), backward_done=lambda: None)
+    root = Fake(group=Fake(buffers=[shared]), backward_done=lambda: None)
+    nested = Fake(group=Fake(buffers=[other]), backward_done=lambda: None)
+    covered = Fake(group=Fake(buffers=[shared]), backward_done=lambda: None)
     assert eng.state is TrainingState.IDLE
     assert eng.enter_root(root) is True
     assert eng.state is TrainingState.FORWARD and eng.root_running(root)
