@@ -146,7 +146,10 @@ def _parser() -> argparse.ArgumentParser:
                                description=DESCRIPTION, epilog=EXAMPLES,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
     plan.add_argument("model", help="a Hugging Face model folder (with config.json) or a config.json file")
-    plan.add_argument("--world-size", type=int, default=1, help="ranks (GPUs) to shard over (default 1)")
+    plan.add_argument("--world-size", type=int, default=1, help="ranks (GPUs) in the job (default 1)")
+    plan.add_argument("--shard-size", type=int, default=None,
+                      help="hybrid sharding: ranks each parameter is sharded over, as init_distributed(shard_size=N); "
+                           "it must divide --world-size (default: the world size)")
     plan.add_argument("--ranks-per-host", type=int, default=None,
                       help="ranks sharing one host's memory, for the per-host figure (default: world size, at most 8)")
     plan.add_argument("--batch-size", type=int, help="sequences per rank, for the activation estimate")
@@ -183,6 +186,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     if args.world_size < 1:
         raise SystemExit(f"--world-size must be >= 1, got {args.world_size}")
+    if args.shard_size is not None and not (1 <= args.shard_size <= args.world_size
+                                            and args.world_size % args.shard_size == 0):
+        raise SystemExit(f"--shard-size {args.shard_size} must divide --world-size {args.world_size}")
     if (args.batch_size is None) != (args.seq_len is None):
         raise SystemExit("give --batch-size and --seq-len together (the activation estimate needs both)")
     if args.offload_fraction != 1.0 and not args.offload:
@@ -206,7 +212,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     seq_len=args.seq_len, offload_optimizer=args.offload, offload_fraction=args.offload_fraction,
                     step_in_backward=args.step_in_backward,
                     offload_params={"true": True, "false": False}.get(args.offload_params, "auto"),
-                    ranks_per_host=args.ranks_per_host, max_gpu_memory=budget, compile=not args.no_compile))
+                    ranks_per_host=args.ranks_per_host, max_gpu_memory=budget, compile=not args.no_compile,
+                    shard_size=args.shard_size or args.world_size))
     return 0
 
 

@@ -26,16 +26,16 @@ def _free_port() -> int:
 
 
 def run_cases(script: str, world_size: int, *args: str, timeout: int = 900,
-              runner: Optional[str] = None) -> Dict[str, Any]:
+              runner: Optional[str] = None, env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     """Launch ``tests/dist_cases/<script>`` on ``world_size`` processes; return rank 0's results.
 
     ``runner``: a module that runs the script (``bmtwrap.bmtrain``: a BMTrain program). The
     rendezvous port is picked free and then released, so another job may take it first; a launch
-    that fails that way is tried again on a new port.
+    that fails that way is tried again on a new port. ``env``: variables added to the processes'.
     """
     for attempt in range(3):
         try:
-            return _run_once(script, world_size, args, timeout, runner)
+            return _run_once(script, world_size, args, timeout, runner, env)
         except _PortTaken:
             if attempt == 2:
                 raise AssertionError(f"{script}: no free rendezvous port after 3 tries") from None
@@ -47,7 +47,8 @@ class _PortTaken(Exception):
 
 
 def launch(script: str, world_size: int, out: Path, args: tuple, timeout: int,
-           runner: Optional[str] = None, wrapper: Sequence[str] = ()) -> subprocess.CompletedProcess:
+           runner: Optional[str] = None, wrapper: Sequence[str] = (),
+           env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
     """Run ``tests/dist_cases/<script> OUT ARGS...`` under torchrun on ``world_size`` processes (the whole
     command after ``wrapper``, e.g. ``unshare ...``); return the finished launcher's process (its exit
     status and output), whatever it is."""
@@ -56,15 +57,16 @@ def launch(script: str, world_size: int, out: Path, args: tuple, timeout: int,
         "--master_addr=127.0.0.1", f"--master_port={_free_port()}", *(["-m", runner] if runner else []),
         str(TESTS / "dist_cases" / script), str(out), *args,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}),
                PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")]))
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def _run_once(script: str, world_size: int, args: tuple, timeout: int, runner: Optional[str]) -> Dict[str, Any]:
+def _run_once(script: str, world_size: int, args: tuple, timeout: int, runner: Optional[str],
+              env: Optional[Dict[str, str]]) -> Dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        proc = launch(script, world_size, out, args, timeout, runner)
+        proc = launch(script, world_size, out, args, timeout, runner, env=env)
         if proc.returncode != 0 and "address already in use" in (proc.stdout + proc.stderr).lower():
             raise _PortTaken()
         if proc.returncode != 0 or not out.exists():

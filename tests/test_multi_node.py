@@ -1,5 +1,7 @@
 """Several torchrun agents, as on several machines: two agents of two processes each meet through a c10d
-rendezvous on localhost (gloo) and train exactly as one agent with four processes does."""
+rendezvous on localhost (gloo). Spanning two nodes, they shard inside each node and replicate across
+(hybrid sharding, the default then), and train exactly as one agent with four processes does with
+shard_size=2."""
 
 import json
 import os
@@ -30,7 +32,7 @@ def runs():
         one, two = Path(tmp) / "one.json", Path(tmp) / "two.json"
         single = subprocess.run(_torchrun("--nproc_per_node=4", "--master_addr=127.0.0.1",
                                           f"--master_port={_free_port()}", str(SCRIPT), str(one)),
-                                env=_env(), capture_output=True, text=True, timeout=600)
+                                env=dict(_env(), BMTWRAP_SHARD_SIZE="2"), capture_output=True, text=True, timeout=600)
         assert single.returncode == 0, (single.stdout + single.stderr)[-6000:]
         endpoint = f"127.0.0.1:{_free_port()}"
         # The same command on every "node": the rendezvous assigns the node ranks.
@@ -50,7 +52,9 @@ def test_two_agents_train_exactly_like_one(runs):
 
 
 def test_two_agents_form_one_world_of_two_nodes(runs):
-    _, two = runs
+    one, two = runs
+    assert two["where"]["shard_size"] == 2, "spanning two nodes, parameters are sharded inside each by default"
+    assert one["where"]["shard_size"] == 2 and two["where"]["zero_rank"] == 0
     ranks = two["where"]["ranks"]
     assert [r[0] for r in ranks] == [0, 1, 2, 3]
     assert sorted((r[2], r[1]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]  # (node, local rank)

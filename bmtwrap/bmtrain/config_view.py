@@ -17,20 +17,21 @@ from ..engine import dist as _dist
 __all__ = ["ConfigView", "config"]
 
 # BMTrain's keys that bmtwrap answers, and how, from the context. Without pipeline or tensor
-# parallelism every rank is in one ZeRO group: the zero rank is the rank, pipe/tp sizes are 1.
+# parallelism the ZeRO group is the shard group (every rank, unless init_distributed(shard_size=...) made groups of
+# fewer): the zero rank is the rank in it; pipe/tp sizes are 1.
 _KEYS: Dict[str, Callable[[_dist.DistContext], Any]] = {
     "initialized": lambda ctx: True,
     "rank": lambda ctx: ctx.rank,
     "world_size": lambda ctx: ctx.world_size,
     "local_rank": lambda ctx: ctx.local_rank,
     "zero_level": lambda ctx: ctx.zero_level,
-    "zero_rank": lambda ctx: ctx.rank,
+    "zero_rank": lambda ctx: ctx.shard_rank,
     "pipe_size": lambda ctx: 1,
     "pipe_enabled": lambda ctx: False,
     "pipe_rank": lambda ctx: 0,
     "tp_size": lambda ctx: 1,
     "tp_rank": lambda ctx: 0,
-    "tp_zero_rank": lambda ctx: ctx.rank,
+    "tp_zero_rank": lambda ctx: ctx.shard_rank,
     "seed": lambda ctx: ctx.seed,
 }
 
@@ -48,7 +49,8 @@ _STREAMS: Dict[str, Callable[[_dist.DistContext], Any]] = {
 # BMTrain's keys with no meaning here, and why.
 _ABSENT: Dict[str, str] = {
     "comm": "bmtwrap has no NCCL communicator of its own; collectives run on torch.distributed's default group",
-    "topology": "bmtwrap has no pipeline or tensor parallelism, hence no topology: every rank is one ZeRO group",
+    "topology": "bmtwrap has no pipeline or tensor parallelism, hence no topology; ZeRO groups are "
+                "init_distributed(shard_size=...)'s",
     "load_event": "bmtwrap keeps no event of BMTrain's; call bmt.wait_loader() to wait for the loads",
     "barrier_stream": "bmtwrap does not keep BMTrain's streams; use bmt.synchronize()",
     "local_size": "bmtwrap does not record the number of processes per host",

@@ -117,7 +117,7 @@ def init_parameters(model: nn.Module) -> None:
             full = torch.empty(param._original_shape, dtype=param.dtype, device=ctx.device)
             param._init_method(full)
             buffer, index = eng.registry.buffer_of(ctx, param)
-            piece = buffer.layout.piece(index, ctx.rank)
+            piece = buffer.layout.piece(index, ctx.shard_rank)
             param.copy_(full.reshape(-1)[piece.param_start : piece.param_end])
 
 

@@ -68,12 +68,15 @@ class CheckpointInfo:
         extra: the ``extra`` given to :func:`save_checkpoint`, as saved.
         world_size: the world size the checkpoint was saved at.
         tag: the save's identifier (part of its file names).
+        shard_size: the ranks each parameter was sharded over at the save (hybrid sharding); the world
+            size for a save made before it was recorded.
     """
 
     step: Optional[int]
     extra: Any
     world_size: int
     tag: str
+    shard_size: int = 0
 
 
 # --- what the arguments mean ---------------------------------------------------------------------
@@ -106,11 +109,27 @@ def _as_schedulers(lr_scheduler: Any) -> List[Any]:
 # --- saving ---------------------------------------------------------------------------------------
 
 
-def _collect_model(part: _RankPart, targets: Dict[str, _Target], rank: int) -> Dict[str, str]:
+def _written_here(targets: Dict[str, _Target], ctx: DistContext) -> Set[int]:
+    """The sharded tensors (ids) whose pieces this rank writes, with their optimizer state.
+
+    Every rank holds a piece of each; under hybrid sharding the replicas hold the same pieces, and
+    each tensor is written by one replica, the next one for the next tensor, so that the writes
+    spread over the nodes (every rank computes the same turns from the same state dict).
+    """
+    replica, turn, mine = ctx.rank // ctx.shard_size, 0, set()
+    for target in targets.values():
+        if target.sharded and id(target.tensor) not in mine:
+            if turn % ctx.replicas == replica:
+                mine.add(id(target.tensor))
+            turn += 1
+    return mine
+
+
+def _collect_model(part: _RankPart, targets: Dict[str, _Target], rank: int, written: Set[int]) -> Dict[str, str]:
     """Queue this rank's pieces of the model; return {state dict key: tensor name} (tied keys share one).
 
-    Every rank adds its pieces of sharded tensors; rank 0 also the replicated ones, and describes
-    every tensor (it knows every full shape, like any rank).
+    A rank adds its pieces of the sharded tensors in ``written``; rank 0 also the replicated ones, and
+    describes every tensor (it knows every full shape, like any rank).
     """
     by_id: Dict[int, str] = {}
     keys: Dict[str, str] = {}
@@ -119,25 +138,28 @@ def _collect_model(part: _RankPart, targets: Dict[str, _Target], rank: int) -> D
         if name != f"model/{key}":
             continue  # a tied parameter, stored under its first key
         if target.sharded:
-            part.add(name, target.tensor, target.start, target.shape, describe=rank == 0)
+            if id(target.tensor) in written:
+                part.add(name, target.tensor, target.start, target.shape, describe=rank == 0)
+            elif rank == 0:
+                part.describe(name, target.tensor, target.shape)
         elif rank == 0:
             part.add(name, target.tensor, 0, target.shape)
     return keys
 
 
-def _reports_state(target: _Target, rank: int) -> bool:
-    """Whether this rank reports a parameter's optimizer state: where it owns a non-empty piece.
+def _reports_state(target: _Target, rank: int, written: Set[int]) -> bool:
+    """Whether this rank reports a parameter's optimizer state: where it writes a non-empty piece.
 
     Replicated parameters and parameters of no elements: rank 0. So the scalars in the index
     come from a rank whose state was really stepped (an empty piece's may not be).
     """
     if not target.sharded or math.prod(target.shape) == 0:
         return rank == 0
-    return target.end > target.start
+    return target.end > target.start and id(target.tensor) in written
 
 
 def _collect_optimizer(part: _RankPart, i: int, state_dict: Dict[str, Any], optimizer: torch.optim.Optimizer,
-                       groups: List[List[str]], targets: Dict[str, _Target], rank: int) -> None:
+                       groups: List[List[str]], targets: Dict[str, _Target], rank: int, written: Set[int]) -> None:
     """Queue this rank's optimizer state: tensors shaped like the local shard are pieces, 0-dim ones scalars."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     names = [name for group in groups for name in group]
@@ -146,7 +168,7 @@ def _collect_optimizer(part: _RankPart, i: int, state_dict: Dict[str, Any], opti
     for param, name, pos in zip(params, names, positions):
         entry = state_dict["state"].get(pos)
         target = targets[name]
-        if not entry or not _reports_state(target, rank):
+        if not entry or not _reports_state(target, rank, written):
             continue
         mine[name] = {}
         for key, value in entry.items():
@@ -264,7 +286,8 @@ def save_checkpoint(folder: PathLike, model: nn.Module, optimizer: OptimizerArg 
         failure = _first_failure([report[0] for report in reports])
         if failure is None:
             try:
-                _commit(folder, _build_index(tag, ctx.world_size, [report[1] for report in reports], head))
+                _commit(folder, _build_index(tag, ctx.world_size, [report[1] for report in reports], head,
+                                             ctx.shard_size))
             except OSError as caught:  # the index is JSON: no safetensors error can come from here
                 error = _unwritable(folder, caught)
                 failure = _describe(error)
@@ -301,9 +324,10 @@ def _collect(part: _RankPart, ctx: DistContext, model: nn.Module, optimizers: Li
     _settle(optimizers, targets, ctx)
     names, param_targets = _param_names(model, targets)
     groups = [_optimizer_params(o, names, i) for i, o in enumerate(optimizers)]
-    model_keys = _collect_model(part, targets, ctx.rank)
+    written = _written_here(targets, ctx)
+    model_keys = _collect_model(part, targets, ctx.rank, written)
     for i, (opt, state, group_names) in enumerate(zip(optimizers, states, groups)):
-        _collect_optimizer(part, i, state, opt, group_names, param_targets, ctx.rank)
+        _collect_optimizer(part, i, state, opt, group_names, param_targets, ctx.rank, written)
     if ctx.rank != 0:
         return None
     return _save_head(model_keys, optimizers, states, groups, schedulers, manager_state, step, extra)
@@ -547,4 +571,4 @@ def load_checkpoint(folder: PathLike, model: nn.Module, optimizer: OptimizerArg 
             scheduler.load_state_dict(state)
         _restore_rng(index, reader, ctx)
     return CheckpointInfo(step=index["step"], extra=index["extra"], world_size=index["world_size"],
-                          tag=index["tag"])
+                          tag=index["tag"], shard_size=index.get("shard_size", index["world_size"]))

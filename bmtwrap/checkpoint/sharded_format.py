@@ -26,7 +26,9 @@ parameters that are not sharded, their optimizer state) is stored whole, once, b
 ``index.json`` holds:
 
 - ``format``, ``version``: ``"bmtwrap.sharded"``, 2.
-- ``tag``, ``world_size``: of the save.
+- ``tag``, ``world_size``, ``shard_size``: of the save (``shard_size``: the ranks each parameter was
+  sharded over, hybrid sharding; absent from older saves, which sharded over the world). Pieces
+  are coordinates in the full tensors, so a save loads at any world and shard size.
 - ``checksums``: ``{"algorithm": "crc32", "chunk_bytes": 262144}`` (see [Note: chunked checksums]
   in ``checksum``).
 - ``files``: {file name: {"rank", "bytes", "header_crc32"}}; the size detects a truncated file
@@ -165,9 +167,13 @@ class _RankPart:
     def add(self, name: str, value: torch.Tensor, start: int, shape: Tuple[int, ...], describe: bool = True) -> None:
         """Queue the slice of ``name`` starting at ``start`` (``value``, any shape) for writing."""
         if describe:
-            self.tensors[name] = {"dtype": str(value.dtype).removeprefix("torch."), "shape": list(shape)}
+            self.describe(name, value, shape)
         if value.numel():
             self.entries.append((name, value.detach().reshape(-1), start))
+
+    def describe(self, name: str, value: torch.Tensor, shape: Tuple[int, ...]) -> None:
+        """Name ``name``'s dtype (``value``'s) and full ``shape`` in the index."""
+        self.tensors[name] = {"dtype": str(value.dtype).removeprefix("torch."), "shape": list(shape)}
 
     def for_index(self) -> Dict[str, Any]:
         return {"tensors": self.tensors, "optim_state": self.optim_state, "rng": self.rng, "pieces": self.pieces,
@@ -201,7 +207,8 @@ def _write_files(folder: Path, tag: str, rank: int, part: _RankPart, max_file_by
     return written
 
 
-def _build_index(tag: str, world_size: int, parts: List[Dict[str, Any]], head: Dict[str, Any]) -> Dict[str, Any]:
+def _build_index(tag: str, world_size: int, parts: List[Dict[str, Any]], head: Dict[str, Any],
+                 shard_size: int) -> Dict[str, Any]:
     """Merge every rank's report into the index (rank 0)."""
     tensors: Dict[str, Dict[str, Any]] = {}
     files: Dict[str, Dict[str, int]] = {}
@@ -216,7 +223,7 @@ def _build_index(tag: str, world_size: int, parts: List[Dict[str, Any]], head: D
         for part in parts:  # the first rank that reported a parameter's state gives its scalars
             for name, entry in part["optim_state"][i].items():
                 optimizer["state"].setdefault(name, entry)
-    return {"format": FORMAT, "version": VERSION, "tag": tag, "world_size": world_size,
+    return {"format": FORMAT, "version": VERSION, "tag": tag, "world_size": world_size, "shard_size": shard_size,
             "checksums": {"algorithm": "crc32", "chunk_bytes": CHUNK_BYTES}, "files": files, "tensors": tensors,
             **head, "rng": [part["rng"] for part in parts]}
 

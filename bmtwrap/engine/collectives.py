@@ -9,12 +9,28 @@ Each collective is counted and named (``label``: the flat buffer's) by the conte
 that its failure raises :class:`bmtwrap.CollectiveError` naming the operation and the ranks at
 fault (see ``bmtwrap/engine/watchdog.py``); with ``check_collectives`` every rank first checks that all
 ranks issue the same one (:func:`agree`).
+
+[Note: hybrid sharding]
+``init_distributed(shard_size=S)`` cuts the world of W ranks into W / S shard groups of S
+consecutive ranks (one node each, by default, when the job spans several). Each shard group holds
+the whole model: every flat buffer is laid out over S ranks (``ctx.shard_size``), and a rank holds
+piece ``ctx.shard_rank`` of it. The ranks with the same ``shard_rank`` (one per group: the replica
+group) hold the same pieces. Gathers run in the shard group, so a block's parameters never cross
+the slower links between nodes. A gradient is reduce-scattered in the shard group (the mean over
+its S ranks), then the shard is averaged over the replica group (the mean of those means is the
+mean over all W ranks): :func:`reduce_scatter_mean` returns one handle for the chain. On CUDA the
+all-reduce is issued from ``ctx.reduce_stream()`` once the reduce-scatter is done, so the
+computation waits for neither until the handle's ``wait()``; on gloo the chain runs in turn. The
+replicas then apply the same update to the same shard with the same state, and stay identical;
+what sums over shards (a gradient's norm, the count of non-finite values) sums over one shard
+group, or over the world divided by the replicas. ``shard_size == world_size`` (the default on one
+node) makes no sub-group and runs exactly as before: one reduce-scatter over the world.
 """
 
 from __future__ import annotations
 
 import zlib
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -22,7 +38,7 @@ import torch.distributed as dist
 from .dist import DistContext
 from .watchdog import CollectiveError, Operation, Watchdog, describe
 
-__all__ = ["Pending", "agree", "all_gather", "reduce_scatter_mean", "all_reduce_mean"]
+__all__ = ["Pending", "agree", "all_gather", "reduce_scatter_mean", "all_reduce_mean", "traffic"]
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -65,6 +81,22 @@ class Pending:
         return self.output
 
 
+def traffic(ctx: DistContext, reset: bool = False) -> Dict[str, Tuple[int, float]]:
+    """What the engine's collectives moved on this rank: {operation: (calls, bytes this rank sent)}, counting a
+    ring's share (an all-gather or reduce-scatter of n bytes over g ranks: n (g - 1) / g; an all-reduce: twice
+    that). ``reset``: start counting again."""
+    out = {op: (int(calls), sent) for op, (calls, sent) in ctx.traffic.items()}
+    if reset:
+        ctx.traffic.clear()
+    return out
+
+
+def _count(ctx: DistContext, op: str, nbytes: int, ranks: int, factor: int = 1) -> None:
+    entry = ctx.traffic.setdefault(op, [0, 0.0])
+    entry[0] += 1
+    entry[1] += factor * nbytes * (ranks - 1) / ranks
+
+
 def _issue(ctx: DistContext, op: Operation, start: Callable[[], Pending]) -> Pending:
     """Number ``op``, check it with the other ranks if asked, then ``start()`` it; a watched :class:`Pending`."""
     watchdog = ctx.watchdog
@@ -79,47 +111,72 @@ def _issue(ctx: DistContext, op: Operation, start: Callable[[], Pending]) -> Pen
 
 
 def all_gather(ctx: DistContext, full: torch.Tensor, local: torch.Tensor, *, label: str = "") -> Pending:
-    """Gather every rank's ``local`` shard into ``full`` (``world_size * local.numel()`` elements).
+    """Gather the ``local`` shards of this rank's shard group into ``full`` (``shard_size * local.numel()``
+    elements; see [Note: hybrid sharding]).
 
     ``local`` may be this rank's slice of ``full`` itself (a gather in place). ``label`` names the
     buffer in errors.
     """
-    assert full.numel() == local.numel() * ctx.world_size, (
-        f"rank {ctx.rank}: gather of {local.numel()} x {ctx.world_size} into {full.numel()} elements"
+    assert full.numel() == local.numel() * ctx.shard_size, (
+        f"rank {ctx.rank}: gather of {local.numel()} x {ctx.shard_size} into {full.numel()} elements"
     )
-    if ctx.world_size == 1:
+    if ctx.shard_size == 1:
         if full.data_ptr() != local.data_ptr():  # a gather in place needs no copy
             full.copy_(local)
         return Pending(None, full)
+    _count(ctx, "all-gather", full.numel() * full.element_size(), ctx.shard_size)
     return _issue(ctx, ("all-gather", label),
-                  lambda: Pending(all_gather_single(full, local, group=ctx.group, async_op=True), full))
+                  lambda: Pending(all_gather_single(full, local, group=ctx.shard_group, async_op=True), full))
 
 
-def _mean_op(ctx: DistContext) -> tuple:
+def _mean_op(ctx: DistContext, size: int) -> tuple:
     # NCCL averages inside the collective; gloo only sums, so we divide after the wait.
     if ctx.device.type == "cuda":
         return dist.ReduceOp.AVG, 1
-    return dist.ReduceOp.SUM, ctx.world_size
+    return dist.ReduceOp.SUM, size
 
 
 def reduce_scatter_mean(ctx: DistContext, shard: torch.Tensor, full: torch.Tensor, *, label: str = "") -> Pending:
-    """``shard`` = this rank's slice of the mean of every rank's ``full``; ``label`` names the buffer in errors."""
-    assert full.numel() == shard.numel() * ctx.world_size, (
-        f"rank {ctx.rank}: reduce-scatter of {full.numel()} into {shard.numel()} x {ctx.world_size} elements"
+    """``shard`` = this rank's slice of the mean of every rank's ``full``; ``label`` names the buffer in errors.
+
+    Under hybrid sharding, a reduce-scatter in the shard group and then an all-reduce of the shard over
+    the replica group, as one handle (see [Note: hybrid sharding]).
+    """
+    assert full.numel() == shard.numel() * ctx.shard_size, (
+        f"rank {ctx.rank}: reduce-scatter of {full.numel()} into {shard.numel()} x {ctx.shard_size} elements"
     )
-    if ctx.world_size == 1:
+    if ctx.shard_size == 1:
         shard.copy_(full)
-        return Pending(None, shard)
-    op, divisor = _mean_op(ctx)
-    return _issue(ctx, ("reduce-scatter", label), lambda: Pending(
-        reduce_scatter_single(shard, full, op=op, group=ctx.group, async_op=True), shard, divisor))
+        scattered = Pending(None, shard)
+    else:
+        op, divisor = _mean_op(ctx, ctx.shard_size)
+        _count(ctx, "reduce-scatter", full.numel() * full.element_size(), ctx.shard_size)
+        scattered = _issue(ctx, ("reduce-scatter", label), lambda: Pending(
+            reduce_scatter_single(shard, full, op=op, group=ctx.shard_group, async_op=True), shard, divisor))
+    if ctx.replicas == 1:
+        return scattered
+    op, divisor = _mean_op(ctx, ctx.replicas)
+    _count(ctx, "all-reduce over replicas", shard.numel() * shard.element_size(), ctx.replicas, factor=2)
+    if ctx.device.type != "cuda":
+        scattered.wait()
+        return _issue(ctx, ("all-reduce", f"{label} over replicas"), lambda: Pending(
+            dist.all_reduce(shard, op=op, group=ctx.replica_group, async_op=True), shard, divisor))
+    # The side stream waits for the reduce-scatter and issues the all-reduce; the caller's stream waits
+    # for the chain only in wait().
+    side = ctx.reduce_stream()
+    side.wait_stream(torch.cuda.current_stream(ctx.device))
+    with torch.cuda.stream(side):
+        scattered.wait()
+        return _issue(ctx, ("all-reduce", f"{label} over replicas"), lambda: Pending(
+            dist.all_reduce(shard, op=op, group=ctx.replica_group, async_op=True), shard, divisor))
 
 
 def all_reduce_mean(ctx: DistContext, tensor: torch.Tensor, *, label: str = "") -> Pending:
-    """Average ``tensor`` over ranks, in place; ``label`` names it in errors."""
+    """Average ``tensor`` over every rank, in place (a replicated tensor's gradient); ``label`` names it in errors."""
     if ctx.world_size == 1:
         return Pending(None, tensor)
-    op, divisor = _mean_op(ctx)
+    op, divisor = _mean_op(ctx, ctx.world_size)
+    _count(ctx, "all-reduce of replicated parameters", tensor.numel() * tensor.element_size(), ctx.world_size, 2)
     return _issue(ctx, ("all-reduce", label),
                   lambda: Pending(dist.all_reduce(tensor, op=op, group=ctx.group, async_op=True), tensor, divisor))
 

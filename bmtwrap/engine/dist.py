@@ -16,7 +16,7 @@ import os
 import random
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Dict, Optional, Protocol, Union
+from typing import Any, ContextManager, Dict, List, Optional, Protocol, Union
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from .watchdog import Watchdog, default_store
 __all__ = [
     "DEFAULT_TIMEOUT",
     "DistContext",
+    "agree_max",
     "current",
     "init_distributed",
     "is_initialized",
@@ -63,7 +64,11 @@ class DistContext:
 
     Attributes:
         rank: this process's rank in ``group``.
-        world_size: number of processes in ``group``; parameters are sharded over all of them.
+        world_size: number of processes in ``group``.
+        shard_size: the ranks one parameter is sharded over (see [Note: hybrid sharding]): groups of
+            ``shard_size`` consecutive ranks each hold the whole model in shards, and the groups
+            replicate each other. ``world_size`` (the default) shards over every rank.
+        traffic: what the engine's collectives moved since the last reset (``collectives.traffic``).
         local_rank: rank on this host; picks the CUDA device.
         device: where parameters, gathers and reductions live (``cuda:<local_rank>`` or ``cpu``).
         zero_level: default ZeRO level of new blocks (2: keep gathered parameters from forward
@@ -94,6 +99,41 @@ class DistContext:
     copy_streams: Dict[str, Any] = field(default_factory=dict, repr=False)
     debug_values: Dict[str, Any] = field(default_factory=dict, repr=False)
     watchdog: Optional[Watchdog] = field(default=None, repr=False)
+    shard_size: int = 0  # 0: world_size (set in __post_init__)
+    # What the engine's collectives moved: {operation: [calls, bytes each rank sent]} (see collectives.traffic).
+    traffic: Dict[str, List[float]] = field(default_factory=dict, repr=False)
+    # The sub-groups of a hybrid layout (None where the world group or no group serves): see shard_group.
+    subgroups: Dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.shard_size:
+            self.shard_size = self.world_size
+
+    @property
+    def shard_rank(self) -> int:
+        """This rank's place in its shard group: which piece of each flat buffer it holds."""
+        return self.rank % self.shard_size
+
+    @property
+    def replicas(self) -> int:
+        """How many shard groups hold the model: ``world_size // shard_size``."""
+        return self.world_size // self.shard_size
+
+    @property
+    def shard_group(self) -> Optional[dist.ProcessGroup]:
+        """The group gathers and reduce-scatters run on: this rank's shard group (the world group when
+        parameters are sharded over every rank; ``None`` with shards of one rank, where nothing is gathered)."""
+        if self.shard_size == 1:
+            return None
+        return self.subgroups.get("shard") or self.group
+
+    @property
+    def replica_group(self) -> Optional[dist.ProcessGroup]:
+        """The ranks holding the same shards as this one (one per shard group), over which gradient shards are
+        averaged after the reduce-scatter; ``None`` with one shard group."""
+        if self.replicas == 1:
+            return None
+        return self.subgroups.get("replica") or self.group
 
     def copy_stream(self, direction: str) -> "torch.cuda.Stream":
         """The stream of ``direction``'s copies ("to_device" or "to_host") on this CUDA device, made on first use.
@@ -104,6 +144,14 @@ class DistContext:
         stream = self.copy_streams.get(direction)
         if stream is None:
             stream = self.copy_streams[direction] = torch.cuda.Stream(self.device)
+        return stream
+
+    def reduce_stream(self) -> "torch.cuda.Stream":
+        """The CUDA stream that waits for a gradient's reduce-scatter and issues its all-reduce over the replicas
+        (hybrid sharding), so that the computation never waits between the two; made on first use."""
+        stream = self.copy_streams.get("reduce")
+        if stream is None:
+            stream = self.copy_streams["reduce"] = torch.cuda.Stream(self.device)
         return stream
 
     def watched(self, kind: str, label: str = "") -> ContextManager[None]:
@@ -188,6 +236,7 @@ def init_distributed(
     backend: Optional[str] = None,
     timeout: Union[datetime.timedelta, float, None] = None,
     check_collectives: bool = False,
+    shard_size: Union[int, str, None] = None,
     pipe_size: int = -1,
     tp_size: int = 1,
     num_micro_batches: Optional[int] = None,
@@ -219,6 +268,12 @@ def init_distributed(
             both operations and the ranks of each when they differ (ranks running different blocks
             would otherwise pair unrelated buffers). Costs one small extra collective, and on CUDA a
             synchronisation, per collective.
+        shard_size: hybrid sharding (see [Note: hybrid sharding]): parameters, gradients and optimizer
+            state are sharded over groups of this many consecutive ranks, and the groups replicate each
+            other; gradients are reduce-scattered in the group, then averaged over the groups. An int that
+            divides the world size, ``"local"`` for the ranks of one node (torchrun's
+            ``LOCAL_WORLD_SIZE``), or ``None``: the environment variable ``BMTWRAP_SHARD_SIZE`` if set,
+            else one node's ranks when the job spans several nodes and every rank otherwise.
         pipe_size: BMTrain's pipeline size, accepted for compatibility; above 1 raises
             ``NotImplementedError`` (there is no pipeline parallelism).
         tp_size: BMTrain's tensor-parallel size, accepted for compatibility; above 1 raises
@@ -232,7 +287,8 @@ def init_distributed(
 
     Raises:
         ValueError: ``zero_level`` not 2 or 3; an unknown backend; ``backend="nccl"`` without CUDA;
-            ``timeout`` not positive and finite.
+            ``timeout`` not positive and finite; a ``shard_size`` that does not divide the world size, or
+            that the ranks disagree on.
         TypeError: ``timeout`` neither a ``timedelta`` nor a number of seconds.
         RuntimeError: ``LOCAL_RANK`` names a GPU this process cannot see (more processes than GPUs).
         NotImplementedError: ``pipe_size``, ``tp_size`` or ``sp_size`` above 1.
@@ -289,14 +345,18 @@ def init_distributed(
             warnings.warn(f"init_distributed(timeout={asked.total_seconds():g} s) has no effect: torch.distributed "
                           f"was initialised before, with a timeout of {wait_limit.total_seconds():g} s; pass the "
                           "timeout to init_process_group instead", stacklevel=2)
+    world = dist.get_world_size()
+    shards = _agreed_shard_size(_resolve_shard_size(shard_size, world), device)
     _CONTEXT = DistContext(
         rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
+        world_size=world,
         local_rank=local_rank,
         device=device,
         zero_level=zero_level,
         seed=seed,
         timeout=wait_limit,
+        shard_size=shards,
+        subgroups=_make_subgroups(world, shards, wait_limit),
     )
     if _CONTEXT.world_size > 1:
         _CONTEXT.watchdog = Watchdog(default_store(), _CONTEXT.rank, _CONTEXT.world_size, wait_limit,
@@ -305,6 +365,62 @@ def init_distributed(
         _CONTEXT.watchdog.start()
     _seed_everything(seed)
     return _CONTEXT
+
+
+def _resolve_shard_size(shard_size: Union[int, str, None], world: int) -> int:
+    """The shard group's size ``init_distributed(shard_size=...)`` asks for (see its docstring)."""
+    where = "shard_size"
+    if shard_size is None and os.environ.get("BMTWRAP_SHARD_SIZE"):
+        shard_size, where = os.environ["BMTWRAP_SHARD_SIZE"], "BMTWRAP_SHARD_SIZE"
+        if shard_size != "local":
+            try:
+                shard_size = int(shard_size)
+            except ValueError:
+                raise ValueError(f"BMTWRAP_SHARD_SIZE={shard_size!r}: give a number of ranks, or 'local'") from None
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if shard_size is None:
+        # One node's ranks when the job spans several nodes (torchrun's agents each start LOCAL_WORLD_SIZE).
+        several_nodes = local is not None and 0 < int(local) < world and world % int(local) == 0
+        return int(local) if several_nodes else world
+    if shard_size == "local":
+        if local is None:
+            raise ValueError(f"{where}='local' takes the ranks of one node from LOCAL_WORLD_SIZE, which is not set: "
+                             "start under torchrun, or give the number of ranks")
+        shard_size = int(local)
+    if isinstance(shard_size, bool) or not isinstance(shard_size, int):
+        raise TypeError(f"{where} must be a number of ranks, 'local' or None, got {shard_size!r}")
+    if shard_size < 1 or world % shard_size:
+        raise ValueError(f"{where}={shard_size} must divide the world size {world} (groups of equal size), "
+                         f"for example {', '.join(str(d) for d in range(1, world + 1) if world % d == 0)}")
+    return shard_size
+
+
+def _agreed_shard_size(shards: int, device: torch.device) -> int:
+    """``shards``, once every rank has found the same (each reads its own environment)."""
+    if dist.get_world_size() == 1:
+        return shards
+    sizes = torch.tensor([shards, -shards], device=device)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
+    if int(sizes[0]) != -int(sizes[1]):
+        raise ValueError(f"the ranks chose different shard sizes, from {-int(sizes[1])} to {int(sizes[0])} (this one "
+                         f"{shards}): give init_distributed(shard_size=...) or BMTWRAP_SHARD_SIZE the same on every "
+                         "rank, or start the same number of processes on every node")
+    return shards
+
+
+def _make_subgroups(world: int, shards: int, wait_limit: datetime.timedelta) -> Dict[str, Any]:
+    """The shard and replica groups of a hybrid layout; every rank makes every group, in the same order.
+
+    None are made where the world group serves: sharding over every rank (one shard group) needs
+    none, and with shard groups of one rank the replica group is the world.
+    """
+    if shards in (1, world):
+        return {}
+    shard, _ = dist.new_subgroups_by_enumeration(
+        [list(range(start, start + shards)) for start in range(0, world, shards)], timeout=wait_limit)
+    replica, _ = dist.new_subgroups_by_enumeration(
+        [list(range(offset, world, shards)) for offset in range(shards)], timeout=wait_limit)
+    return {"shard": shard, "replica": replica}
 
 
 def _check_timeout(timeout: Union[datetime.timedelta, float, None]) -> datetime.timedelta:
@@ -334,6 +450,8 @@ def _group_timeout(device: torch.device) -> datetime.timedelta:
 def _destroy_at_exit() -> None:
     if _CONTEXT is not None and _CONTEXT.watchdog is not None:
         _CONTEXT.watchdog.stop()  # before the store it writes to goes away with the group
+    if _CONTEXT is not None:
+        _CONTEXT.subgroups.clear()  # destroyed with the default group below
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -344,7 +462,8 @@ def rank() -> int:
 
 
 def world_size() -> int:
-    """The number of processes parameters are sharded over."""
+    """The number of processes in the job (parameters are sharded over ``shard_size`` of them: see
+    :func:`init_distributed`)."""
     return current().world_size
 
 
@@ -375,6 +494,18 @@ def sum_loss(loss: torch.Tensor, method: str = "mean") -> torch.Tensor:
     if method == "mean":
         out = out / ctx.world_size
     return out
+
+
+def agree_max(values: List[int], label: str) -> List[int]:
+    """The largest of each of ``values`` over the ranks: one small all-reduce, named ``label`` to the watchdog.
+    Automatic choices agree through it (with negated values, on the smallest)."""
+    ctx = current()
+    if ctx.world_size == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.int64, device=ctx.device)
+    with ctx.watched("all-reduce", label):
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=ctx.group)
+    return tensor.tolist()
 
 
 def wait_loader() -> None:

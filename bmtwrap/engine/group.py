@@ -177,7 +177,7 @@ class FlatBuffer:
         """Copy the host shard into this rank's slice of ``full`` and all-gather in place; on CUDA both on
         the to-device copy stream, so that the copy overlaps the computation (see [Note: offloaded shards])."""
         size = self.layout.shard_size
-        source = self.full[self.ctx.rank * size : (self.ctx.rank + 1) * size]
+        source = self.full[self.ctx.shard_rank * size : (self.ctx.shard_rank + 1) * size]
         if self.ctx.device.type != "cuda":
             source.copy_(self.local)
             self._gather = all_gather(self.ctx, self.full, source, label=self.label)
@@ -254,7 +254,7 @@ class FlatBuffer:
         """Copy this rank's slice of the gathered buffer into its shard (values set at full shape)."""
         assert self.state is ShardState.GATHERED, f"rank {self.ctx.rank}: keep_own_piece of a {self.state.value} buffer"
         size = self.layout.shard_size
-        self.local.copy_(self.full[self.ctx.rank * size : (self.ctx.rank + 1) * size])
+        self.local.copy_(self.full[self.ctx.shard_rank * size : (self.ctx.shard_rank + 1) * size])
 
     @contextmanager
     def gathered(self) -> Iterator[torch.Tensor]:
@@ -421,7 +421,7 @@ class ParamRegistry:
         if not isinstance(param, DistributedParameter) or param._standalone is None:
             raise ValueError("this parameter is not sharded by bmtwrap")
         layout, local = param._standalone
-        slot = ParamSlot(param, "", param._original_shape, 0, layout.piece(0, ctx.rank), ())
+        slot = ParamSlot(param, "", param._original_shape, 0, layout.piece(0, ctx.shard_rank), ())
         buffer = FlatBuffer(ctx, layout, local, [slot], param.requires_grad, label=ROOT_LABEL)
         param._lone_buffer = buffer  # the registry holds it weakly
         self.add(buffer)

@@ -168,9 +168,9 @@ class DistributedParameter(torch.nn.Parameter):
         del tp_split_dim
         ctx = _dist.current()
         device = ctx.device if data.device.type in ("cpu", "meta") else data.device
-        layout = build_layout([data.numel()], ctx.world_size, data.element_size())
+        layout = build_layout([data.numel()], ctx.shard_size, data.element_size())
         local = torch.zeros(layout.shard_size, dtype=data.dtype, device=device)
-        piece = layout.piece(0, ctx.rank)
+        piece = layout.piece(0, ctx.shard_rank)
         if data.device.type != "meta":
             flat = data.detach().reshape(-1)
             local[piece.shard_start : piece.shard_end].copy_(flat[piece.param_start : piece.param_end])

@@ -97,11 +97,11 @@ def build_group(ctx: DistContext, registry: ParamRegistry, module: nn.Module, na
     buffers = []
     for (dtype, requires_grad), members in by_kind.items():
         shapes = [p._original_shape if _is_lone(p) else p.shape for _, p in members]
-        layout = build_layout([s.numel() for s in shapes], ctx.world_size, torch.empty((), dtype=dtype).element_size())
+        layout = build_layout([s.numel() for s in shapes], ctx.shard_size, torch.empty((), dtype=dtype).element_size())
         local = offload.new_shard(layout.shard_size, dtype, ctx.device, zeroed=not on_meta)
         slots = []
         for index, ((qualified, param), shape) in enumerate(zip(members, shapes)):
-            piece = layout.piece(index, ctx.rank)
+            piece = layout.piece(index, ctx.shard_rank)
             if not on_meta:
                 if _is_lone(param):
                     value = full_value(ctx, registry, param)

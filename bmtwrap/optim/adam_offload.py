@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, Un
 import torch
 
 from .. import ops
-from ..engine.dist import is_initialized
+from ..engine.dist import agree_max, is_initialized
 from ..engine.memory import CudaGauge, ceiling_bytes
 from ..engine.group import ROOT_LABEL
 from ..engine.offload import (DEFAULT_CHUNK_NUMEL, DEFAULT_SLOTS, adam_state_bytes, expandable_segments,
@@ -250,6 +250,9 @@ class AdamOffloadOptimizer(_AdamBase):
             # to a step's worth when the CPU is the slower side: room for those, less what each
             # parameter kept on the GPU spares.
             budget -= sum(p.numel() * p.element_size() for p in cuda)
+        if is_initialized() and engine().ctx.replicas > 1:
+            # Replicas update the same shards: each keeps on the GPU what the one with the least room keeps.
+            budget = -agree_max([-int(budget)], "offload_fraction='auto'")[0]
         kept = self._first_needed(lambda p: p.numel() * (adam_state_bytes(p.dtype)
                                                          - (p.element_size() if grads_wait_on_gpu else 0)), budget)
         kept_bytes = sum(p.numel() * adam_state_bytes(p.dtype) for p in params if id(p) in kept)

@@ -261,8 +261,9 @@ def grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.T
     """The norm of the whole (unsharded) gradient of ``params``, the same on every rank.
 
     A collective: every rank calls it with its own parameters of the same model. The gradient
-    shards of sharded parameters are combined over ranks; replicated parameters (plain ones
-    outside blocks) are counted once. Parameters without a gradient are skipped.
+    shards of sharded parameters are combined over the ranks of a shard group (each piece once, under
+    hybrid sharding too); replicated parameters (plain ones outside blocks) are counted once.
+    Parameters without a gradient are skipped.
 
     Args:
         params: parameters of a model sharded by bmtwrap (and any replicated ones beside them).
@@ -290,7 +291,8 @@ def grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.T
         for g in sharded:
             if g.numel():
                 local = torch.maximum(local, g.detach().abs().max().float())
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=ctx.group)
+        if ctx.shard_size > 1:  # one shard group holds every piece once (see [Note: hybrid sharding])
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=ctx.shard_group)
         for g in replicated:
             if g.numel():
                 local = torch.maximum(local, g.detach().abs().max().float())
@@ -303,5 +305,6 @@ def grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.T
         return acc
 
     local = power_sum(sharded)
-    dist.all_reduce(local, op=dist.ReduceOp.SUM, group=ctx.group)
+    if ctx.shard_size > 1:  # over one shard group: the replicas' pieces are the same ones again
+        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=ctx.shard_group)
     return (local + power_sum(replicated)) ** (1.0 / norm_type)

@@ -33,14 +33,13 @@ import warnings
 from typing import Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 
-from ..engine import dist as _dist
+from ..engine.dist import agree_max
 from ..engine.memory import Gauge, ceiling_bytes, format_bytes, gauge_for, margin_bytes
 from ..engine.runners import BlockRunner, RootRunner
 from ..engine.schedule import engine
 
-__all__ = ["AutoRecompute", "WATCH_STEPS", "agree_max"]
+__all__ = ["AutoRecompute", "WATCH_STEPS"]
 
 # Steps after the decision whose peaks are checked, and in which an out-of-memory kept block recovers.
 WATCH_STEPS = 3
@@ -143,7 +142,7 @@ class AutoRecompute:
                 break
             room -= size
             count += 1
-        count = -agree_max([-count])[0]  # the fewest any rank can keep
+        count = -agree_max([-count], "checkpoint='auto'")[0]  # the fewest any rank can keep
         for runner in self._runners[:count]:
             runner.keep_activations()
             self.kept.append(runner)
@@ -168,7 +167,7 @@ class AutoRecompute:
         margin = margin_bytes(self._ceiling())
         # Every rank gives back what the rank nearest its limit must, and keeps no more blocks than the rank that
         # keeps the fewest (one that recovered from running out of memory).
-        overshoot, fewest = agree_max([max(0, used - (limit + margin // 2)), -len(self.kept)])
+        overshoot, fewest = agree_max([max(0, used - (limit + margin // 2)), -len(self.kept)], "checkpoint='auto'")
         fewest = -fewest
         freed = self._give_back(overshoot) if overshoot > 0 else 0
         freed += self._keep_first(min(fewest, len(self.kept)))
@@ -216,17 +215,6 @@ class AutoRecompute:
                       f"{f' and the {after} kept block(s) after it' if after else ''}, and runs it again",
                       RuntimeWarning, stacklevel=2)
         return True
-
-
-def agree_max(values: List[int], label: str = "checkpoint='auto'") -> List[int]:
-    """The largest of each of ``values`` over the ranks (one small all-reduce, named ``label`` to the watchdog)."""
-    ctx = _dist.current()
-    if ctx.world_size == 1:
-        return values
-    tensor = torch.tensor(values, dtype=torch.int64, device=ctx.device)
-    with ctx.watched("all-reduce", label):
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=ctx.group)
-    return tensor.tolist()
 
 
 def auto_recompute(root: RootRunner, runners: List[BlockRunner], max_gpu_memory: Optional[int],

@@ -42,7 +42,7 @@ from ..engine.runners import BlockModule, BlockRunner, RootRunner
 from ..engine.shard import build_group, unshard_group
 from ..engine.schedule import engine
 from .adapters import ModelAdapter, adapter_for
-from .auto import AutoRecompute, agree_max, auto_recompute
+from .auto import AutoRecompute, auto_recompute
 from .compiled import CompileOption, compile_options, compiled_forward
 from .detect import LayerPolicy
 from .instance_forward import replace_forward
@@ -127,7 +127,7 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
          offload_optimizer: bool = False, offload_fraction: float = 1.0, step_in_backward: bool = False,
          offload_params: Union[bool, str] = "auto",
          ranks_per_host: Optional[int] = None, max_gpu_memory: Union[int, str, None] = None,
-         keep_logits: bool = False, compile: CompileOption = "auto") -> WrapPlan:
+         keep_logits: bool = False, compile: CompileOption = "auto", shard_size: Optional[int] = None) -> WrapPlan:
     """What :func:`wrap` would do to ``model``, without doing it (no collectives, no allocation).
 
     The memory estimate is per rank, on the GPU and on the host; its parameter, gradient and
@@ -159,14 +159,17 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
         keep_logits: as for :func:`wrap`: plan for transformers' loss over the whole logits.
         compile: as for :func:`wrap`; ``"auto"`` plans compiled blocks, as ``wrap`` runs them on a GPU
             (a compiled block's recomputation keeps less: see the Note). ``False``: eager blocks.
+        shard_size: hybrid sharding, as ``init_distributed(shard_size=...)``: parameters, gradients and
+            optimizer state sharded over this many ranks (it must divide ``world_size``); default: the
+            current context's, or ``world_size``.
 
     Returns:
         A :class:`~bmtwrap.wrap.plan.WrapPlan`; ``print(plan)`` shows it as a table.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``; ``layers`` is neither classes nor a callable.
-        ValueError: a bad ``checkpoint``; ``world_size < 1``; a class in ``layers`` that the model
-            does not have.
+        ValueError: a bad ``checkpoint``; ``world_size < 1``; a ``shard_size`` that does not divide
+            ``world_size``; a class in ``layers`` that the model does not have.
 
     Example::
 
@@ -181,18 +184,23 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
         world_size = _dist.current().world_size if _dist.is_initialized() else 1
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if shard_size is None:
+        ctx = _dist.current() if _dist.is_initialized() else None
+        shard_size = ctx.shard_size if ctx is not None and ctx.world_size == world_size else world_size
+    if not 1 <= shard_size <= world_size or world_size % shard_size:
+        raise ValueError(f"shard_size={shard_size} must divide world_size={world_size}")
     if not 0.0 <= offload_fraction <= 1.0:
         raise ValueError(f"offload_fraction must be in [0, 1], got {offload_fraction!r}")
     if ranks_per_host is not None and ranks_per_host < 1:
         raise ValueError(f"ranks_per_host must be >= 1, got {ranks_per_host!r}")
     budget = None if max_gpu_memory is None else parse_bytes(max_gpu_memory)
     if offload_params == "auto":
-        offload_params = offload_params_auto(model, world_size, budget)
+        offload_params = offload_params_auto(model, world_size, budget, shard_size)
     offload = OffloadOptions(optimizer=offload_optimizer, fraction=offload_fraction, params=offload_params,
                              in_backward=step_in_backward)
     return make_plan(model, world_size, layers=layers, checkpoint=checkpoint, batch_size=batch_size,
                      seq_len=seq_len, offload=offload, ranks_per_host=ranks_per_host, max_gpu_memory=budget,
-                     fused_loss=not keep_logits, compiled=compile is not False)[0]
+                     fused_loss=not keep_logits, compiled=compile is not False, shard_size=shard_size)[0]
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -283,13 +291,13 @@ def _offload_params_chosen(model: nn.Module, ctx: _dist.DistContext, budget: Opt
     if ctx.device.type != "cuda":
         return False
     card = torch.cuda.get_device_properties(ctx.device).total_memory
-    chosen = offload_params_auto(model, ctx.world_size, card if budget is None else min(budget, card))
+    chosen = offload_params_auto(model, ctx.world_size, card if budget is None else min(budget, card), ctx.shard_size)
     # Budgets or cards may differ between ranks; offloading on any means on all.
-    chosen = bool(agree_max([int(chosen)], "offload_params='auto'")[0])
+    chosen = bool(_dist.agree_max([int(chosen)], "offload_params='auto'")[0])
     if chosen:
         where = f"max_gpu_memory={budget / 2**30:.1f} GiB" if budget is not None else "the card"
         warnings.warn(f"offload_params='auto': this {type(model).__name__}'s parameters and gradients take "
-                      f"{params_and_grads_bytes(model, ctx.world_size) / 2**30:.1f} GiB on each of {ctx.world_size} "
+                      f"{params_and_grads_bytes(model, ctx.shard_size) / 2**30:.1f} GiB on each of {ctx.world_size} "
                       f"rank(s), more than {PARAMS_SHARE:.0%} of what {where} leaves usable, so the blocks' "
                       "parameters stay in host memory and are copied in at each gather (slower); pass "
                       "offload_params=False to keep them on the GPU, or shard over more GPUs",
@@ -416,7 +424,7 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
                         else offload_params)
     the_plan, blocks, shared_ids = make_plan(model, ctx.world_size, layers=layers, checkpoint=checkpoint,
                                              offload=OffloadOptions(params=params_offloaded),
-                                             fused_loss=not keep_logits)
+                                             fused_loss=not keep_logits, shard_size=ctx.shard_size)
     adapter = adapter_for(model)
     adapter.prepare(model)
 

@@ -182,6 +182,8 @@ class WrapPlan:
         memory: the per-rank estimate.
         offload: what the estimate assumes is offloaded.
         ranks_per_host: ranks sharing one host's memory, for the per-host figure.
+        max_gpu_memory: the budget planned for, if any.
+        shard_size: ranks each parameter is sharded over (``init_distributed(shard_size=...)``); 0 for the world.
     """
 
     model: str
@@ -195,6 +197,12 @@ class WrapPlan:
     offload: OffloadOptions = OffloadOptions()
     ranks_per_host: int = 1
     max_gpu_memory: Optional[int] = None  # the budget planned for (checkpoint="auto" keeps what fits under it)
+    shard_size: int = 0  # ranks each parameter is sharded over (hybrid sharding); 0: world_size
+
+    @property
+    def shards(self) -> int:
+        """Ranks each parameter is sharded over: ``shard_size``, or the world."""
+        return self.shard_size or self.world_size
 
     @property
     def fits(self) -> Optional[bool]:
@@ -213,7 +221,9 @@ class WrapPlan:
         def gib(n: int) -> str:
             return f"{n / 2**30:8.2f} GiB"
 
-        lines = [f"WrapPlan for {self.model} over {self.world_size} rank(s): {len(self.blocks)} blocks "
+        sharding = (f", sharded in groups of {self.shards} ({self.world_size // self.shards} replicas)"
+                    if self.shards != self.world_size else "")
+        lines = [f"WrapPlan for {self.model} over {self.world_size} rank(s){sharding}: {len(self.blocks)} blocks "
                  f"({self.rule}), checkpoint={self.checkpoint!r}",
                  f"  {'group':<44} {'class':<28} {'params':>14} {'size':>12}  ckpt"]
         for g in (self.root, *self.blocks):
@@ -424,7 +434,8 @@ def _usable(budget: int, world_size: int) -> int:
     return budget - margin_bytes(budget) - outside_allocator_estimate(world_size)
 
 
-def offload_params_auto(model: nn.Module, world_size: int, limit: Optional[int]) -> bool:
+def offload_params_auto(model: nn.Module, world_size: int, limit: Optional[int],
+                        shard_size: Optional[int] = None) -> bool:
     """What ``offload_params="auto"`` chooses: the blocks' parameters on the host when this rank's parameter
     shards and their gradients would take more than ``PARAMS_SHARE`` of ``limit`` (the process's GPU budget, or
     the card) less the margin and the memory outside torch's allocator; never without a limit (the CPU).
@@ -433,13 +444,15 @@ def offload_params_auto(model: nn.Module, world_size: int, limit: Optional[int])
     whose parameters and gradients alone fill most of the card does not train with them there, and with them on
     the host it does (at the cost of a copy per gather).
     """
-    return limit is not None and params_and_grads_bytes(model, world_size) > PARAMS_SHARE * _usable(limit, world_size)
+    share = params_and_grads_bytes(model, shard_size or world_size)
+    return limit is not None and share > PARAMS_SHARE * _usable(limit, world_size)
 
 
-def params_and_grads_bytes(model: nn.Module, world_size: int) -> int:
-    """One rank's share of the model's parameters and of the gradients of the trainable ones, in bytes."""
+def params_and_grads_bytes(model: nn.Module, shard_size: int) -> int:
+    """One rank's share of the model's parameters and of the gradients of the trainable ones, in bytes, sharded over
+    ``shard_size`` ranks."""
     unique = {id(p): p for p in model.parameters()}.values()
-    return sum(p.numel() * p.element_size() * (2 if p.requires_grad else 1) for p in unique) // world_size
+    return sum(p.numel() * p.element_size() * (2 if p.requires_grad else 1) for p in unique) // shard_size
 
 
 def _keep_what_fits(blocks: List[GroupPlan], estimate: Callable[[List[GroupPlan]], MemoryEstimate], budget: int,
@@ -457,9 +470,11 @@ def _keep_what_fits(blocks: List[GroupPlan], estimate: Callable[[List[GroupPlan]
 def make_plan(model: nn.Module, world_size: int, *, layers: Optional[LayerPolicy] = None,
               checkpoint: Checkpoint = "auto", batch_size: Optional[int] = None, seq_len: Optional[int] = None,
               offload: OffloadOptions = OffloadOptions(), ranks_per_host: Optional[int] = None,
-              max_gpu_memory: Optional[int] = None,
-              fused_loss: bool = True, compiled: bool = True) -> Tuple[WrapPlan, List[Tuple[str, nn.Module]], Set[int]]:
-    """The plan, the block modules it names, and the ids of the parameters kept in the root."""
+              max_gpu_memory: Optional[int] = None, fused_loss: bool = True, compiled: bool = True,
+              shard_size: Optional[int] = None) -> Tuple[WrapPlan, List[Tuple[str, nn.Module]], Set[int]]:
+    """The plan, the block modules it names, and the ids of the parameters kept in the root; the layouts are over
+    ``shard_size`` ranks (default: ``world_size``)."""
+    shards = shard_size or world_size
     blocks, rule = find_blocks(model, layers)
     shared_ids, shared_names = shared_parameters(model, blocks)
     per_block_ckpt = checkpoint if isinstance(checkpoint, bool) else True
@@ -468,15 +483,15 @@ def make_plan(model: nn.Module, world_size: int, *, layers: Optional[LayerPolicy
     for name, module in blocks:
         params = [p for p in module.parameters() if id(p) not in shared_ids]
         owned.update(id(p) for p in params)
-        buffers = _buffers(params, world_size)
+        buffers = _buffers(params, shards)
         block_buffers.append(buffers)
         block_plans.append(_group_plan(name, module, params, per_block_ckpt, buffers))
     root_params = [p for p in model.parameters() if id(p) not in owned]
-    root_buffers = _buffers(root_params, world_size)
+    root_buffers = _buffers(root_params, shards)
     root = _group_plan("", model, root_params, None, root_buffers)
     groups = _Groups(root_buffers, block_buffers)
 
-    ranks = [_rank_bytes(groups, offload, r) for r in range(world_size)]
+    ranks = [_rank_bytes(groups, offload, r) for r in range(shards)]  # replicas hold the same
     exact = {key: max(r[key] for r in ranks) for key in ranks[0]}
     root_grad = sum(b.padded_total * _itemsize(b.dtype) for b in root_buffers if b.requires_grad)
     largest = sorted((b.padded_bytes for b in block_plans), reverse=True)
@@ -522,5 +537,5 @@ def make_plan(model: nn.Module, world_size: int, *, layers: Optional[LayerPolicy
         block_plans = _keep_what_fits(block_plans, estimate, max_gpu_memory, world_size)
     memory = estimate(block_plans)
     plan = WrapPlan(type(model).__name__, world_size, rule, tuple(block_plans), root, tuple(shared_names),
-                    checkpoint, memory, offload, ranks_per_host or min(world_size, 8), max_gpu_memory)
+                    checkpoint, memory, offload, ranks_per_host or min(world_size, 8), max_gpu_memory, shards)
     return plan, blocks, shared_ids

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import random
 import shutil
 import sys
@@ -259,7 +260,17 @@ def save_half(name: str) -> Dict[str, Any]:
     index = json.loads((WORK / name / "index.json").read_text())
     return {"unperturbed": losses == expected["losses"] and equal(final, expected["params"]),
             "world_size": index["world_size"], "files": len(index["files"]),
-            "sharded_pieces": max(len(t["pieces"]) for t in index["tensors"].values())}
+            "sharded_pieces": max(len(t["pieces"]) for t in index["tensors"].values()),
+            "shard_size": index["shard_size"], "pieces_tile": all(tiles(t) for t in index["tensors"].values())}
+
+
+def tiles(tensor: Dict[str, Any]) -> bool:
+    """Whether a tensor's pieces cover it exactly once: disjoint, no gap (under hybrid sharding one replica writes
+    each tensor)."""
+    spans = sorted((piece[1], piece[2]) for piece in tensor["pieces"])
+    total = math.prod(tensor["shape"])
+    return total == 0 or (spans[0][0] == 0 and spans[-1][1] == total
+                          and all(a[1] == b[0] for a, b in zip(spans, spans[1:])))
 
 
 def resume_from(name: str, folder: Path, ref_file: Path) -> Dict[str, Any]:
@@ -278,16 +289,24 @@ def resume_from(name: str, folder: Path, ref_file: Path) -> Dict[str, Any]:
     return result
 
 
-def save_at_three() -> Dict[str, Any]:
-    """World 3 loads world 4's checkpoint and saves its own, with a reference, for world 4 to load."""
+def save_at_three(dest: str = "from3") -> Dict[str, Any]:
+    """World 3 loads world 4's checkpoint and saves its own, with a reference, for world 4 to load (``dest``: the
+    same from another layout)."""
     setup = build("gpt_adamw", 99)
     setup.load(WORK / "gpt_adamw")
     setup.step(HALF)
-    setup.save(WORK / "from3", HALF + 1)
+    setup.save(WORK / dest, HALF + 1)
     ref = snapshot(setup)
     if bmt.rank() == 0:
-        torch.save(ref, WORK / "from3-ref.pt")
+        torch.save(ref, WORK / f"{dest}-ref.pt")
     return {"saved": True}
+
+
+def load_saved_elsewhere() -> Dict[str, Any]:
+    """The checkpoint ``save_at_three(dest="from-load")`` wrote in another layout: exact state."""
+    setup = build("gpt_adamw", 99)
+    setup.load(WORK / "from-load")
+    return compare(snapshot(setup), torch.load(WORK / "from-load-ref.pt"))
 
 
 def upsize_from_three() -> Dict[str, Any]:
@@ -499,6 +518,12 @@ def cases() -> Dict[str, Callable[[], Dict[str, Any]]]:
         out = {f"{n}/load": lambda n=n: resume_from(n, WORK / n, WORK / f"{n}-ref.pt") for n in names}
         if sys.argv[4:] == ["with-llama"]:
             out["save_at_three"] = save_at_three
+        if sys.argv[4:] == ["and-save"]:
+            out["save_elsewhere"] = lambda: save_at_three("from-load")
+        return out
+    if PHASE == "resume-only":  # and load what a "load ... and-save" run saved
+        out = {f"{n}/resume": lambda n=n: resume_from(n, WORK / n, WORK / f"{n}-ref.pt") for n in ("gpt_manager", "gpt_adamw")}
+        out["load_saved_elsewhere"] = load_saved_elsewhere
         return out
     out = {f"{n}/resume": lambda n=n: resume_from(n, WORK / n, WORK / f"{n}-ref.pt") for n in SETUPS}
     out.update({

@@ -48,7 +48,8 @@ def where() -> Dict[str, Any]:
     mine = [bmt.rank(), int(os.environ["LOCAL_RANK"]), int(os.environ.get("GROUP_RANK", -1)), socket.gethostname()]
     every = [None] * bmt.world_size()
     torch.distributed.all_gather_object(every, mine)
-    return {"ranks": every}
+    ctx = bmt.init_distributed()
+    return {"ranks": every, "shard_size": ctx.shard_size, "zero_rank": bmt.config["zero_rank"]}
 
 
 if __name__ == "__main__":

@@ -55,8 +55,8 @@ def meta_then_load() -> Dict[str, Any]:
     bmt.wrap(model)
     bmt.load_state_dict(model, ref.state_dict())
     world, rank = bmt.world_size(), bmt.rank()
-    ids = torch.randint(0, 96, (6, 12), generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    share = 6 // world
+    ids = torch.randint(0, 96, (12, 12), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    share = 12 // world  # 12 rows: every world size from 1 to 4 takes equal shares
     ref_loss = ref(ids, labels=ids).loss
     ref_loss.backward()
     mine = ids[rank * share : (rank + 1) * share]
@@ -101,8 +101,8 @@ def offload_params_training() -> Dict[str, Any]:
     opt_ref = torch.optim.AdamW(ref.parameters(), **hyper)
     opt = bmt.optim.AdamOffloadOptimizer(model.parameters(), step_in_backward=True, chunk_numel=1000, **hyper)
     world, rank = bmt.world_size(), bmt.rank()
-    ids = torch.randint(0, 96, (6, 12), generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    share = 6 // world
+    ids = torch.randint(0, 96, (12, 12), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    share = 12 // world
     rels = []
     for _ in range(5):
         opt_ref.zero_grad()
