@@ -27,7 +27,7 @@ import math
 import os
 import statistics
 import time
-from typing import Any, Callable, List, NamedTuple, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -89,12 +89,24 @@ def compile_layers(model: transformers.LlamaForCausalLM, backend: str) -> None:
             layer.forward = checkpointed(layer, torch.compile(plain.__get__(layer), backend=backend))
 
 
-def shard(model: transformers.LlamaForCausalLM, param_dtype: torch.dtype) -> None:
-    """``fully_shard`` each decoder layer, then the root (the embedding, the final norm and the head)."""
+def hybrid_mesh(shard_size: Optional[int], device_type: str) -> Optional[Any]:
+    """FSDP2's HSDP: a (replicate, shard) device mesh of ``shard_size`` ranks per shard group; ``None`` (sharding
+    over every rank) when ``shard_size`` is ``None`` or the world size."""
+    world = dist.get_world_size()
+    if shard_size is None or shard_size == world:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+
+
+def shard(model: transformers.LlamaForCausalLM, param_dtype: torch.dtype, mesh: Optional[Any] = None) -> None:
+    """``fully_shard`` each decoder layer, then the root (the embedding, the final norm and the head); with a 2-D
+    ``mesh``, hybrid (HSDP)."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for layer in model.model.layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(layer, mp_policy=policy, mesh=mesh)
+    fully_shard(model, mp_policy=policy, mesh=mesh)
 
 
 def materialise(model: transformers.LlamaForCausalLM, device: torch.device) -> None:
@@ -131,6 +143,8 @@ def main() -> None:
     add_shape_arguments(parser, SIZES)
     parser.add_argument("--no-checkpoint", action="store_true", help="keep every layer's activations")
     parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer's forward")
+    parser.add_argument("--shard-size", type=int, default=None,
+                        help="HSDP: shard in groups of this many ranks, replicate across them")
     parser.add_argument("--compile-backend", default="inductor",
                         help="torch.compile's backend (aot_eager: no C++ compiler, for a CPU smoke test)")
     args = parser.parse_args()
@@ -155,7 +169,7 @@ def main() -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.compile:
         compile_layers(model, args.compile_backend)
-    shard(model, torch.bfloat16 if cuda else torch.float32)
+    shard(model, torch.bfloat16 if cuda else torch.float32, hybrid_mesh(args.shard_size, device.type))
     materialise(model, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
 
@@ -168,7 +182,8 @@ def main() -> None:
     tokens = args.batch * args.seq
     if rank == 0:
         print("RESULT " + json.dumps(dict(
-            system="fsdp2-compile" if args.compile else "fsdp2", size=args.size, world=world, batch=args.batch,
+            system="fsdp2-compile" if args.compile else "fsdp2", size=args.size, world=world,
+            shard_size=args.shard_size or world, batch=args.batch,
             seq=args.seq, params=params, activation_checkpointing=checkpoint, step_s=round(timing.median_s, 4),
             tok_s_gpu=round(tokens / timing.median_s, 1),
             mfu=round(per_token * tokens / timing.median_s / PEAK_FLOPS, 4) if cuda else None,

@@ -15,7 +15,8 @@ All start from the same weights (initialised once, rounded to bf16 so that the b
 them exactly) and see the same batches: sequences of a fixed random Markov chain over 1,024 of the
 vocabulary's tokens, each with 4 possible successors, so the loss falls from about ln(vocabulary)
 towards ln(4) during the run. With N processes each takes its slice of every global batch of
-``N * --batch`` sequences. Prints one line, ``RESULT {json}``: every run's loss per step (the mean over
+``N * --batch`` sequences. Under hybrid sharding (``BMTWRAP_SHARD_SIZE``, or several nodes) the FSDP2 runs
+shard in groups of the same size (HSDP). Prints one line, ``RESULT {json}``: every run's loss per step (the mean over
 ranks) and the distances.
 """
 
@@ -31,6 +32,7 @@ import torch.distributed as dist
 import transformers
 
 import bmtwrap as bmt
+from fsdp2_peer import hybrid_mesh
 from train_llama import SIZES
 
 STATES = 1024  # tokens the Markov chain visits
@@ -109,9 +111,10 @@ def fsdp2_run(config, weights, batches, lr, rank, world, device) -> List[float]:
     model = new_model(config, weights, torch.float32, device)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mesh = hybrid_mesh(bmt.init_distributed().shard_size, device.type)  # HSDP where bmtwrap shards in groups
     for layer in model.model.layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(layer, mp_policy=policy, mesh=mesh)
+    fully_shard(model, mp_policy=policy, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=True)
 
     def step(ids: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ import torch
 import transformers
 
 import bmtwrap as bmt
+from bmtwrap.engine.collectives import traffic
 from bmtwrap.engine.memory import CudaGauge
 from bmtwrap.wrap.convert import wrapped_record
 
@@ -81,9 +82,10 @@ def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Te
     return loss
 
 
-def profile_step(run: Callable[[], Any]) -> Dict[str, float]:
+def profile_step(run: Callable[[], Any]) -> Dict[str, Any]:
     """One step under the profiler: the share of its time some compute kernel ran on the GPU, the share
-    a host-device copy ran, and the longest gap with no kernel at all."""
+    a host-device copy ran, the longest gap with no kernel at all, and the communication: the time NCCL's
+    kernels of each kind ran, and the share of it some compute kernel ran beside (hidden behind compute)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -93,10 +95,28 @@ def profile_step(run: Callable[[], Any]) -> Dict[str, float]:
         run()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    copies, kernels = [], []
+    copies, kernels, comms = [], [], {}
     for e in prof.events():
-        if e.device_type == DeviceType.CUDA:
-            (copies if "memcpy" in e.name.lower() or "memset" in e.name.lower() else kernels).append(e)
+        if e.device_type != DeviceType.CUDA:
+            continue
+        name = e.name.lower()
+        if "nccl" in name:
+            kind = next((k for k in ("AllGather", "ReduceScatter", "AllReduce") if k.lower() in name), "other")
+            comms.setdefault(kind, []).append(e)
+        else:
+            (copies if "memcpy" in name or "memset" in name else kernels).append(e)
+
+    def spans_of(events: List[Any]) -> List[Tuple[float, float]]:
+        merged: List[List[float]] = []
+        for a, b in sorted((e.time_range.start, e.time_range.end) for e in events):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        return [(a, b) for a, b in merged]
+
+    def overlap(ours: List[Tuple[float, float]], theirs: List[Tuple[float, float]]) -> float:
+        return sum(max(0.0, min(b, d) - max(a, c)) for a, b in ours for c, d in theirs) / 1e6
 
     def union(events: List[Any]) -> Tuple[float, float]:
         spans = sorted((e.time_range.start, e.time_range.end) for e in events)
@@ -113,8 +133,18 @@ def profile_step(run: Callable[[], Any]) -> Dict[str, float]:
 
     compute, gap = union(kernels)
     copied, _ = union(copies)
+    busy = spans_of(kernels)
+
+    def hidden(spans: List[Tuple[float, float]]) -> Dict[str, Any]:
+        """How long ``spans`` ran, and the share of it some compute kernel ran beside."""
+        total = sum(b - a for a, b in spans) / 1e6
+        return dict(s=round(total, 4), hidden_pct=round(100 * overlap(spans, busy) / total, 1) if total else None)
+
+    every = hidden(spans_of([e for events in comms.values() for e in events]))
     return dict(profiled_step_s=round(wall, 4), gpu_busy_pct=round(100 * compute / wall, 1),
-                gpu_copy_pct=round(100 * copied / wall, 1), longest_gpu_gap_s=round(gap, 4))
+                gpu_copy_pct=round(100 * copied / wall, 1), longest_gpu_gap_s=round(gap, 4),
+                comm_s=every["s"], comm_hidden_pct=every["hidden_pct"],
+                comm_by_kind={kind: hidden(spans_of(events)) for kind, events in comms.items()})
 
 
 def add_shape_arguments(parser: argparse.ArgumentParser, sizes: Dict[str, Any]) -> None:
@@ -139,6 +169,8 @@ def main() -> None:
                              "final norm (the forward and the loss, both ways)")
     parser.add_argument("--max-gpu-memory", default=None, help="wrap(max_gpu_memory=...), e.g. 21GiB")
     parser.add_argument("--zero-level", type=int, default=3, choices=[2, 3])
+    parser.add_argument("--shard-size", type=int, default=None,
+                        help="init_distributed(shard_size=...): hybrid sharding in groups of this many ranks")
     parser.add_argument("--optimizer", default="auto",
                         choices=["auto", "adam", "offload", "offload-in-backward", "torch"],
                         help="auto: bmt.optim.auto_adam (the offload optimizer with offload_fraction='auto' under "
@@ -160,7 +192,7 @@ def main() -> None:
         bmt.optim.adam_offload.AUTO_HEADROOM = args.auto_headroom
     fraction = args.offload_fraction if args.offload_fraction == "auto" else float(args.offload_fraction)
 
-    ctx = bmt.init_distributed(seed=0, zero_level=args.zero_level)
+    ctx = bmt.init_distributed(seed=0, zero_level=args.zero_level, shard_size=args.shard_size)
     config = transformers.LlamaConfig(max_position_embeddings=max(args.seq, 128), attn_implementation="sdpa",
                                       **SIZES[args.size])
     with torch.device("meta"):
@@ -204,6 +236,8 @@ def main() -> None:
     times, peaks, reserved, used, first_step_s = [], [], [], [], None
     gauge = CudaGauge(ctx.device)
     for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            traffic(ctx, reset=True)  # the timed steps' collectives
         if i == args.warmup and offloading:
             stats_before = optimizer.offload_stats()
         torch.cuda.synchronize()
@@ -228,6 +262,8 @@ def main() -> None:
         cpu = dict(host_huge_gib=host_huge_pages_gib(), cpu_adam_s=round(stats["adam_s"] / args.steps, 4), cpu_stalled_s=round(stats["stalled_s"] / args.steps, 4),
                    cpu_idle_s=round(stats["idle_s"] / args.steps, 4),
                    cpu_adam_melem_s=round(stats["elements"] / max(stats["adam_s"], 1e-9) / 1e6, 1))
+    moved = {op: dict(calls=calls // args.steps, gb=round(sent / args.steps / 1e9, 3))
+             for op, (calls, sent) in traffic(ctx).items()}  # per step, each rank's share sent
     busy = profile_step(lambda: step(model, optimizer, ids)) if args.profile else {}
     if not math.isfinite(loss.item()):
         raise SystemExit(f"the loss is {loss.item()} after {args.warmup + args.steps} steps: training is broken, "
@@ -236,7 +272,8 @@ def main() -> None:
     step_s = statistics.median(times)
     tokens = args.batch * args.seq
     bmt.print_rank("RESULT " + json.dumps(dict(
-        system="bmtwrap", size=args.size, world=ctx.world_size, batch=args.batch, seq=args.seq, params=params,
+        system="bmtwrap", size=args.size, world=ctx.world_size, shard_size=ctx.shard_size, batch=args.batch,
+        seq=args.seq, params=params, traffic_per_step=moved,
         activation_checkpointing=args.checkpoint, zero_level=args.zero_level, optimizer=args.optimizer,
         optimizer_class=type(optimizer).__name__,
         compile=args.compile, compiled=compiled_blocks(model), keep_logits=args.keep_logits,
