@@ -9,7 +9,7 @@ import torch
 
 from .. import ops
 from ..engine.dist import agree_max, is_initialized
-from ..engine.memory import CudaGauge, ceiling_bytes
+from ..engine.memory import MIN_MARGIN, CudaGauge, ceiling_bytes
 from ..engine.group import ROOT_LABEL
 from ..engine.offload import (DEFAULT_CHUNK_NUMEL, DEFAULT_SLOTS, adam_state_bytes, expandable_segments,
                               host_available_bytes, host_empty, host_zeros)
@@ -212,8 +212,9 @@ class AdamOffloadOptimizer(_AdamBase):
 
         What is left of the card (or of ``wrap(max_gpu_memory=...)``), less the memory outside torch's
         allocator (the CUDA context, NCCL's buffers: both count against it), holds optimizer state, less:
-        - ``AUTO_HEADROOM`` of the card, for later variation (another sequence length) and what
-          the allocator cannot hand out; the optimizer turns on the allocator's expandable
+        - ``AUTO_HEADROOM`` of the card (at least ``MIN_MARGIN``, 512 MiB, as ``checkpoint="auto"``
+          leaves: a small budget's share is too thin), for later variation (another sequence length)
+          and what the allocator cannot hand out; the optimizer turns on the allocator's expandable
           segments, unless ``PYTORCH_ALLOC_CONF`` is set (``offload.expandable_segments``), and
           leaves ``FIXED_SEGMENTS_HEADROOM`` more where they are off: fixed-size segments strand
           several GiB as reserved but unusable memory on a full card;
@@ -243,7 +244,7 @@ class AdamOffloadOptimizer(_AdamBase):
                               engine().allocator_cap if budgeted else None)
         peak = torch.cuda.max_memory_allocated(device)
         headroom = AUTO_HEADROOM + (0.0 if self._expandable else FIXED_SEGMENTS_HEADROOM)
-        budget = total * (1.0 - headroom) - peak - outside
+        budget = total - max(headroom * total, MIN_MARGIN) - peak - outside
         grads_wait_on_gpu = not self.step_in_backward
         if grads_wait_on_gpu:
             # The gradient of a parameter updated on the CPU stays on the GPU until the CPU takes it, up
