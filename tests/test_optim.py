@@ -237,3 +237,20 @@ def _patch_allocator_settings(monkeypatch, setter):
         monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", setter)
     else:
         monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", setter)
+
+
+def test_offload_threads_beside_a_gpu_take_this_process_share_of_the_cores(monkeypatch):
+    """torchrun sets OMP_NUM_THREADS=1 for several processes per machine: the offload update still gets this
+    process's share of the cores, less one for the training loop."""
+    import os
+
+    from bmtwrap.optim.adam_offload import default_cpu_threads
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert default_cpu_threads() == max(1, cores - 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(2 * cores))  # more processes than cores: one thread each
+    assert default_cpu_threads() == 1
+    monkeypatch.setattr(torch, "get_num_threads", lambda: cores + 4)  # asked for more: granted
+    assert default_cpu_threads() == cores + 3

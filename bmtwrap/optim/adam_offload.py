@@ -3,6 +3,7 @@ the GPU computes (see [Note: mixed precision] in ``adam_state.py``)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import torch
@@ -37,6 +38,15 @@ def _check_host_room(needed: int, available: Optional[int], on_gpu: int) -> None
         f"{on_gpu / 2**30:.1f} GiB of it). Free GPU memory for more of it (a smaller batch or sequence, "
         "checkpoint=True), free host memory, or train on more GPUs, which share the state"
     )
+
+
+def default_cpu_threads() -> int:
+    """The offload optimizer's CPU threads beside a GPU: ``torch.get_num_threads()``, and at least this process's
+    share of the cores it may run on among ``LOCAL_WORLD_SIZE`` processes, less one core for the training loop's own
+    thread (starved, it launches GPU work late)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    share = cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, max(torch.get_num_threads(), share) - 1)
 
 
 class AdamOffloadOptimizer(_AdamBase):
@@ -76,7 +86,10 @@ class AdamOffloadOptimizer(_AdamBase):
         staging_slots: pinned staging buffers; pinned memory is ``staging_slots * chunk_numel *
             (gradient + parameter bytes)``.
         cpu_threads: threads of the CPU update; default: ``torch.get_num_threads()``, less one when
-            the parameters are on a GPU (the training loop's thread keeps a core to launch GPU work).
+            the parameters are on a GPU (the training loop's thread keeps a core to launch GPU work),
+            and there at least this process's share of the cores it may run on (divided among
+            ``LOCAL_WORLD_SIZE`` processes): ``torchrun`` sets ``OMP_NUM_THREADS=1`` for several
+            processes per machine, which would leave the update one thread.
         offload_fraction: the share of the parameters (by elements) whose master and moments live
             on the CPU; the rest keep theirs on the GPU and are updated there by the fused kernel
             (10 bytes of GPU memory per element for bf16, 12 for fp16: see [Note: mixed
@@ -139,8 +152,7 @@ class AdamOffloadOptimizer(_AdamBase):
             # the device the model computes on: the queue orders its reads after those copies.
             device = engine().ctx.device
         if cpu_threads is None and device.type == "cuda":
-            # Leave a core to the training loop's own thread: starved, it launches GPU work late.
-            cpu_threads = max(1, torch.get_num_threads() - 1)
+            cpu_threads = default_cpu_threads()
         dtypes = {p.dtype for p in all_params}
         self._offload = ops.OffloadQueue(device, dtypes=dtypes, chunk_numel=chunk_numel, slots=staging_slots,
                                          num_threads=cpu_threads)
