@@ -58,3 +58,28 @@ def test_two_agents_form_one_world_of_two_nodes(runs):
     ranks = two["where"]["ranks"]
     assert [r[0] for r in ranks] == [0, 1, 2, 3]
     assert sorted((r[2], r[1]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]  # (node, local rank)
+
+
+def test_the_finetune_example_runs_unchanged_across_two_agents(tmp_path):
+    """examples/finetune_hf.py under two agents of one process each: each "machine" holds a replica (shard groups
+    of its one rank), and it logs the same losses as one agent of two processes with BMTWRAP_SHARD_SIZE=1."""
+    example = str(ROOT / "examples" / "finetune_hf.py")
+    quick = ["--steps", "4", "--save-every", "0", "--eval-batches", "1", "--seq", "64", "--batch", "4",
+             "--sample-tokens", "8"]
+    single = subprocess.run(_torchrun("--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+                                      example, *quick, "--out", str(tmp_path / "one")),
+                            env=dict(_env(), BMTWRAP_SHARD_SIZE="1"), capture_output=True, text=True, timeout=600)
+    assert single.returncode == 0, (single.stdout + single.stderr)[-6000:]
+    command = _torchrun("--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+                        f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--rdzv-id=finetune-test", example, *quick,
+                        "--out", str(tmp_path / "two"))
+    agents = [subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for _ in range(2)]
+    outputs = [agent.communicate(timeout=600)[0] for agent in agents]
+    assert all(agent.returncode == 0 for agent in agents), "\n".join(o[-4000:] for o in outputs)
+
+    def losses(out):
+        return [(r["step"], r["loss"]) for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())
+                if "loss" in r]
+
+    assert losses(tmp_path / "two") == losses(tmp_path / "one") and len(losses(tmp_path / "one")) >= 4
