@@ -119,26 +119,16 @@ def profile_step(run: Callable[[], Any]) -> Dict[str, Any]:
     def overlap(ours: List[Tuple[float, float]], theirs: List[Tuple[float, float]]) -> float:
         return sum(max(0.0, min(b, d) - max(a, c)) for a, b in ours for c, d in theirs) / 1e6
 
-    def union(events: List[Any]) -> Tuple[float, float]:
-        spans = sorted((e.time_range.start, e.time_range.end) for e in events)
-        total, gap, end = 0.0, 0.0, None
-        for a, b in spans:
-            if end is None or a > end:
-                gap = max(gap, a - end) if end is not None else gap
-                total += b - a
-                end = b
-            elif b > end:
-                total += b - end
-                end = b
-        return total / 1e6, gap / 1e6  # microseconds -> seconds
+    def length(spans: List[Tuple[float, float]]) -> float:
+        return sum(b - a for a, b in spans) / 1e6  # microseconds -> seconds
 
-    compute, gap = union(kernels)
-    copied, _ = union(copies)
     busy = spans_of(kernels)
+    compute, copied = length(busy), length(spans_of(copies))
+    gap = max((c - b for (_, b), (c, _) in zip(busy, busy[1:])), default=0.0) / 1e6
 
     def hidden(spans: List[Tuple[float, float]]) -> Dict[str, Any]:
         """How long ``spans`` ran, and the share of it some compute kernel ran beside."""
-        total = sum(b - a for a, b in spans) / 1e6
+        total = length(spans)
         return dict(s=round(total, 4), hidden_pct=round(100 * overlap(spans, busy) / total, 1) if total else None)
 
     every = hidden(spans_of([e for events in comms.values() for e in events]))

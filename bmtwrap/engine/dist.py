@@ -141,17 +141,17 @@ class DistContext:
         One per direction, so that parameters going to the GPU and gradients leaving it use both
         copy engines at once.
         """
-        stream = self.copy_streams.get(direction)
-        if stream is None:
-            stream = self.copy_streams[direction] = torch.cuda.Stream(self.device)
-        return stream
+        return self._side_stream(direction)
 
     def reduce_stream(self) -> "torch.cuda.Stream":
         """The CUDA stream that waits for a gradient's reduce-scatter and issues its all-reduce over the replicas
         (hybrid sharding), so that the computation never waits between the two; made on first use."""
-        stream = self.copy_streams.get("reduce")
+        return self._side_stream("reduce")
+
+    def _side_stream(self, name: str) -> "torch.cuda.Stream":
+        stream = self.copy_streams.get(name)
         if stream is None:
-            stream = self.copy_streams["reduce"] = torch.cuda.Stream(self.device)
+            stream = self.copy_streams[name] = torch.cuda.Stream(self.device)
         return stream
 
     def watched(self, kind: str, label: str = "") -> ContextManager[None]:

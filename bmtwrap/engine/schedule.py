@@ -378,7 +378,7 @@ class Engine:
 
     def forward_with_grad(self, participant: Participant) -> None:
         """``participant`` ran forward with autograd recording; it takes part in the next backward."""
-        if not any(p is participant for p in self._backward_participants()):
+        if not any(ref() is participant for ref in self._in_backward):
             self._in_backward.append(weakref.ref(participant))
 
     def _backward_participants(self) -> List[Participant]:

@@ -43,6 +43,7 @@ blocks' shards and their gradients in pinned memory of their exact size (``offlo
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Set, Tuple, Union
 
@@ -518,7 +519,9 @@ def make_plan(model: nn.Module, world_size: int, *, layers: Optional[LayerPolicy
             loss_peak = exact["params"] + exact["optimizer"] + root.padded_bytes + sum(largest[:1]) + sum(saved) + loss
             # Backward runs the blocks last to first: at block i the gradient shards of blocks i and after (and
             # the root's) are there, and of the activations those saved by blocks i and before.
-            walk = max((other_grads + sum(block_grads[i:]) + sum(saved[:i + 1]) for i in range(len(saved))),
+            grads_after = list(itertools.accumulate(reversed(block_grads)))[::-1]  # blocks i and after
+            saved_up_to = itertools.accumulate(saved)  # blocks i and before
+            walk = max((other_grads + after + before for after, before in zip(grads_after, saved_up_to)),
                        default=exact["grads"])
             backward = exact["params"] + exact["optimizer"] + gathered + walk + recompute
         return MemoryEstimate(

@@ -49,12 +49,15 @@ def max_abs_diff(full: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor]) ->
 
 
 def flat_buffers(model: torch.nn.Module) -> list:
-    """The distinct flat buffers holding the model's parameters, in parameter order."""
+    """The distinct flat buffers holding the model's sharded parameters, in parameter order (plain parameters
+    outside blocks are replicated, in no buffer)."""
     from bmtwrap.engine.schedule import engine
 
     eng = engine()
     buffers: list = []
     for param in model.parameters():
+        if not eng.registry.is_sharded(param):
+            continue
         buffer, _ = eng.registry.buffer_of(eng.ctx, param)
         if all(buffer is not b for b in buffers):
             buffers.append(buffer)

@@ -14,24 +14,11 @@ import transformers
 import bmtwrap as bmt
 from bmtwrap.optim.nonfinite import any_nonfinite
 from bmtwrap.optim.optim_manager import grad_norm
-from common import max_abs_diff, max_rel, run
+from common import flat_buffers, max_abs_diff, max_rel, run
 from gpt_model import GPT, ShardedGPT
 
 CONFIG = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64)
-
-
-def sharded_buffers(model: torch.nn.Module) -> list:
-    """The distinct flat buffers of the model's sharded parameters (its plain ones are replicated)."""
-    from bmtwrap.engine.schedule import engine
-
-    eng, buffers = engine(), []
-    for param in model.parameters():
-        if eng.registry.is_sharded(param):
-            buffer, _ = eng.registry.buffer_of(eng.ctx, param)
-            if all(buffer is not b for b in buffers):
-                buffers.append(buffer)
-    return buffers
 
 
 def every_rank(value: Any) -> List[Any]:
@@ -43,7 +30,7 @@ def every_rank(value: Any) -> List[Any]:
 def topology() -> Dict[str, Any]:
     ctx = bmt.init_distributed()
     model = ShardedGPT()
-    layouts = {buffer.layout.world_size for buffer in sharded_buffers(model)}
+    layouts = {buffer.layout.world_size for buffer in flat_buffers(model)}
     return {"world": ctx.world_size, "shard_size": ctx.shard_size, "replicas": ctx.replicas,
             "ranks": every_rank([ctx.rank, ctx.shard_rank, bmt.config["zero_rank"], bmt.rank(), bmt.world_size()]),
             "layout_shards": sorted(layouts)}
@@ -75,7 +62,7 @@ def replicas_identical(optimizer: str, offload_params: bool = False) -> Dict[str
         opt.step()
     model.loss(_shares(data)).backward()  # gradients to compare too
     ctx = bmt.init_distributed()
-    mine = [buffer.local.detach().clone().cpu() for buffer in sharded_buffers(model)]
+    mine = [buffer.local.detach().clone().cpu() for buffer in flat_buffers(model)]
     mine += [p.grad.detach().clone().cpu() for p in model.parameters() if p.grad is not None]
     for state in opt.state_dict()["state"].values():
         mine += [v.detach().clone().cpu() for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
