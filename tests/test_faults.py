@@ -63,15 +63,18 @@ class Rank:
 class Job:
     """The 3 ranks of faults.py in one mode, started at once; :meth:`finish` waits for the survivors."""
 
-    def __init__(self, tmp_path: Path, mode: str, *, check: bool = False, world: int = WORLD) -> None:
+    def __init__(self, tmp_path: Path, mode: str, *, check: bool = False, world: int = WORLD,
+                 shard_size: Optional[int] = None) -> None:
         self.world = world
         self.store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60),
                                    wait_for_workers=False)
         env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.store.port),
                    TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                   BMTWRAP_SHARD_SIZE=str(shard_size or world))
+        name = f"{mode}-shard{shard_size}" if shard_size else mode
         args = [sys.executable, str(SCRIPT), mode, str(VICTIM), str(TIMEOUT_S[mode]), *(["check"] if check else [])]
-        self.logs = [tuple(open(tmp_path / f"{mode}.rank{r}.{kind}", "w+") for kind in ("out", "err"))
+        self.logs = [tuple(open(tmp_path / f"{name}.rank{r}.{kind}", "w+") for kind in ("out", "err"))
                      for r in range(world)]
         self.procs = [subprocess.Popen(args, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=out, stderr=err)
                       for r, (out, err) in enumerate(self.logs)]
@@ -116,7 +119,8 @@ def jobs(tmp_path_factory) -> Dict[str, Job]:
     """The three faulty jobs, run side by side: their start-up (importing torch) is most of their time."""
     tmp = tmp_path_factory.mktemp("faults")
     started = {"kill": Job(tmp, "kill"), "hang": Job(tmp, "hang"), "reorder": Job(tmp, "reorder", check=True),
-               "oom": Job(tmp, "oom"), "oom-backward": Job(tmp, "oom-backward", world=2)}
+               "oom": Job(tmp, "oom"), "oom-backward": Job(tmp, "oom-backward", world=2),
+               "kill-hybrid": Job(tmp, "kill", world=4, shard_size=2)}
     yield started
     for job in started.values():
         job.finish(wait_s=0)  # kills what a failed test left running
@@ -148,6 +152,27 @@ def test_a_killed_rank_is_named_by_the_survivors(jobs):
         assert f"rank {VICTIM} is dead: no heartbeat for 3 s" in line, line
         assert rank.record is not None and rank.record.exited, "the watchdog did not stop at exit"
     assert ranks[VICTIM].record is not None and not ranks[VICTIM].record.exited
+
+
+def test_a_killed_rank_is_named_by_its_peers_under_hybrid_sharding(jobs):
+    """Shard groups {0, 1} and {2, 3}; rank 1 is killed in a forward. Rank 0 fails in its shard group and rank 3 in its
+    all-reduce over the replicas {1, 3}: each names rank 1 first, and no rank of another sub-group that lags behind.
+    Rank 2, whose replica is rank 0, ends once rank 0 has."""
+    ranks = jobs["kill-hybrid"].finish()
+    killed_at = ranks[VICTIM].fault_time()
+    assert ranks[VICTIM].returncode == -9
+    for r in (0, 3):
+        line = error_line(ranks[r])
+        op = "(all-gather|reduce-scatter)" if r == 0 else r"all-reduce of '[^']+ over replicas'"
+        head = rf"{op}( of '[^']+')? \(collective #\d+\) (failed|timed out after 15 s) on rank {r}: "
+        assert re.search(head + r"rank 1 is dead: no heartbeat for 3 s", line), line
+        assert not re.search(r"rank [023] is alive but", line), line
+        assert ranks[r].raised_time() - killed_at < TIMEOUT_S["kill"] + SLACK_S, line
+    rank = ranks[2]
+    assert rank.returncode not in (0, None), rank.stderr[-3000:]
+    assert rank.ended - killed_at < TIMEOUT_S["kill"] + SLACK_S + EXIT_S, rank.stderr[-3000:]
+    assert ("ending the process: rank 0 has exited" in rank.stderr
+            or re.search(r"on rank 2: rank 0 (has exited|is alive but)", error_line(rank))), rank.stderr[-3000:]
 
 
 def test_a_hung_rank_is_named_when_the_timeout_fires(jobs):
@@ -306,16 +331,46 @@ def test_a_rank_waiting_for_a_failed_rank_ends_after_two_beats(monkeypatch, caps
         store.set("bmtwrap/heartbeat/1", peer.encode())
         dog = watchdog(store, world=2)
         dog._failed = mine
-        dog._waiting = (5, ("all-gather", "layers.2"))
-        for _ in range(3):  # the wait is a beat old at the second; the peer is seen so twice by the third
-            dog._check_peers(store, None)
-        assert ended == ([1] if ends else []), (peer, mine)
-        ended.clear()
+        for peers, waits_for_it in ((None, True), ((0, 1), True), ((0, 2), False)):
+            dog._waiting = (5, ("all-gather", "layers.2"), peers)
+            for _ in range(3):  # the wait is a beat old at the second; the peer is seen so twice by the third
+                dog._check_peers(store, None)
+            # Only for a rank that takes part in the collective waited for (hybrid sharding's sub-groups).
+            assert ended == ([1] if ends and waits_for_it else []), (peer, mine, peers)
+            ended.clear()
+            dog._last_wait = 0
     err = capsys.readouterr().err
     assert ("[bmtwrap watchdog, rank 0] ending the process: rank 1 failed in step 3: OutOfMemoryError in the forward "
             "of block 'layers.1'. GPU memory: ...; it issued 4 collectives and will not finish #5, which this rank "
             "waits for") in err
     assert "ending the process: rank 1 has exited; it issued 4 collectives" in err
+
+
+def test_failure_in_a_sub_group_blames_its_peers_first():
+    """Hybrid sharding: a collective among ranks 0 and 1 fails. A rank of another shard group that lags behind is no
+    cause, and one that is gone is context; with no cause among the peers, every rank is judged (a chain)."""
+    store = dist.HashStore()
+    with FakeRanks(store) as fake:
+        fake.set(1, 4, [(4, "all-gather of 'layers.1'")])  # silent: dead
+        fake.set(2, 3, [(3, "all-gather of 'layers.0'")], waiting="#3, all-gather of 'layers.0'")  # behind
+        fake.set(3, 2, [(2, "all-gather of 'layers.1'")], exited=True)  # left before #5
+        fake.beating = [2]
+        dog = watchdog(store, world=4)
+        error = dog.failure(5, ("all-gather", "layers.2"), RuntimeError("Connection reset"), peers=(0, 1))
+        everyone = dog.failure(5, ("all-gather", "layers.2"), RuntimeError("Connection reset"))
+        behind = dog.failure(5, ("all-gather", "layers.2"), RuntimeError("Connection reset"), peers=(0, 2))
+        fake.set(2, 6, [(5, "all-gather of 'layers.2'"), (6, "all-gather of 'layers.3'")])
+        # Rank 2, the only peer, has gone past: the fault lies outside the sub-group (a chain), so every rank is judged.
+        chained = dog.failure(5, ("all-gather", "layers.2"), RuntimeError("Connection reset"), peers=(0, 2))
+    message = str(error)
+    assert error.ranks == (1,) and "rank 2" not in message, message
+    assert re.search(r"failed on rank 0: rank 1 is dead: no heartbeat for 0.15 s \(killed, [^)]*\) \(rank 3 has "
+                     r"exited \(an exception", message), message
+    assert everyone.ranks == (1, 2, 3) and "rank 2 is alive but has not reached collective #4" in str(everyone)
+    assert behind.ranks == (2,) and re.search(r"on rank 0: rank 2 is alive but has not reached collective #4: it "
+                                              r"is waiting in #3, all-gather of 'layers.0' \(rank 1 is dead: ",
+                                              str(behind))
+    assert chained.ranks == (1, 3), str(chained)
 
 
 def test_failure_names_a_rank_that_failed_after_issuing_the_collective():

@@ -1,9 +1,10 @@
 """Several torchrun agents, as on several machines: two agents of two processes each meet through a c10d
 rendezvous on localhost (gloo). Spanning two nodes, they shard inside each node and replicate across
 (hybrid sharding, the default then), and train exactly as one agent with four processes does with
-shard_size=2."""
+shard_size=2: a wrapped model in a loop of the program's own, and bmtwrap.hf.Trainer."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -49,6 +50,14 @@ def test_two_agents_train_exactly_like_one(runs):
     one, two = runs
     assert two["train"]["losses"] == one["train"]["losses"]
     assert two["train"]["digest"] == one["train"]["digest"]
+
+
+def test_the_trainer_runs_unchanged_across_two_agents(runs):
+    """bmtwrap.hf.Trainer joins the job itself: across two agents it logs the losses and ends with the parameters of
+    one agent with the same layout."""
+    one, two = runs
+    assert len(one["trainer"]["losses"]) == 4 and all(math.isfinite(x) for x in one["trainer"]["losses"])
+    assert two["trainer"] == one["trainer"]
 
 
 def test_two_agents_form_one_world_of_two_nodes(runs):

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .dist import DistContext
-from .watchdog import CollectiveError, Operation, Watchdog, describe
+from .watchdog import CollectiveError, Operation, Peers, Watchdog, describe
 
 __all__ = ["Pending", "agree", "all_gather", "reduce_scatter_mean", "all_reduce_mean", "traffic"]
 
@@ -49,14 +49,14 @@ class Pending:
     """An issued collective: ``wait()`` once, then read its output.
 
     ``divisor`` is applied after the wait where the backend cannot average by itself. ``watch``:
-    the watchdog that numbered the collective, its number and operation; the wait's failure then
-    raises :class:`bmtwrap.CollectiveError`.
+    the watchdog that numbered the collective, its number, operation and peers (the ranks of its
+    sub-group, ``None`` for every rank); the wait's failure then raises :class:`bmtwrap.CollectiveError`.
     """
 
     __slots__ = ("_work", "output", "_divisor", "_watch")
 
     def __init__(self, work: Optional[dist.Work], output: torch.Tensor, divisor: int = 1,
-                 watch: Optional[Tuple[Watchdog, int, Operation]] = None) -> None:
+                 watch: Optional[Tuple[Watchdog, int, Operation, Optional[Peers]]] = None) -> None:
         self._work = work
         self.output = output
         self._divisor = divisor
@@ -73,8 +73,8 @@ class Pending:
             if self._watch is None:
                 work.wait()
             else:
-                watchdog, seq, op = self._watch
-                watchdog.wait(work, seq, op)
+                watchdog, seq, op, peers = self._watch
+                watchdog.wait(work, seq, op, peers)
             if self._divisor != 1:
                 self.output.div_(self._divisor)
                 self._divisor = 1
@@ -97,8 +97,11 @@ def _count(ctx: DistContext, op: str, nbytes: int, ranks: int, factor: int = 1) 
     entry[1] += factor * nbytes * (ranks - 1) / ranks
 
 
-def _issue(ctx: DistContext, op: Operation, start: Callable[[], Pending]) -> Pending:
-    """Number ``op``, check it with the other ranks if asked, then ``start()`` it; a watched :class:`Pending`."""
+def _issue(ctx: DistContext, op: Operation, start: Callable[[], Pending], peers: Optional[Peers] = None) -> Pending:
+    """Number ``op``, check it with the other ranks if asked, then ``start()`` it; a watched :class:`Pending`.
+
+    ``peers``: the ranks of the sub-group it runs in (``None``: every rank), whom a failure blames first.
+    """
     watchdog = ctx.watchdog
     if watchdog is None:
         return start()
@@ -106,7 +109,7 @@ def _issue(ctx: DistContext, op: Operation, start: Callable[[], Pending]) -> Pen
     if watchdog.check_collectives:
         agree(ctx, watchdog, seq, op)
     pending = start()
-    pending._watch = (watchdog, seq, op)
+    pending._watch = (watchdog, seq, op, peers)
     return pending
 
 
@@ -126,7 +129,8 @@ def all_gather(ctx: DistContext, full: torch.Tensor, local: torch.Tensor, *, lab
         return Pending(None, full)
     _count(ctx, "all-gather", full.numel() * full.element_size(), ctx.shard_size)
     return _issue(ctx, ("all-gather", label),
-                  lambda: Pending(all_gather_single(full, local, group=ctx.shard_group, async_op=True), full))
+                  lambda: Pending(all_gather_single(full, local, group=ctx.shard_group, async_op=True), full),
+                  ctx.shard_peers)
 
 
 def _mean_op(ctx: DistContext, size: int) -> tuple:
@@ -152,7 +156,8 @@ def reduce_scatter_mean(ctx: DistContext, shard: torch.Tensor, full: torch.Tenso
         op, divisor = _mean_op(ctx, ctx.shard_size)
         _count(ctx, "reduce-scatter", full.numel() * full.element_size(), ctx.shard_size)
         scattered = _issue(ctx, ("reduce-scatter", label), lambda: Pending(
-            reduce_scatter_single(shard, full, op=op, group=ctx.shard_group, async_op=True), shard, divisor))
+            reduce_scatter_single(shard, full, op=op, group=ctx.shard_group, async_op=True), shard, divisor),
+            ctx.shard_peers)
     if ctx.replicas == 1:
         return scattered
     op, divisor = _mean_op(ctx, ctx.replicas)
@@ -160,7 +165,8 @@ def reduce_scatter_mean(ctx: DistContext, shard: torch.Tensor, full: torch.Tenso
     if ctx.device.type != "cuda":
         scattered.wait()
         return _issue(ctx, ("all-reduce", f"{label} over replicas"), lambda: Pending(
-            dist.all_reduce(shard, op=op, group=ctx.replica_group, async_op=True), shard, divisor))
+            dist.all_reduce(shard, op=op, group=ctx.replica_group, async_op=True), shard, divisor),
+            ctx.replica_peers)
     # The side stream waits for the reduce-scatter and issues the all-reduce; the caller's stream waits
     # for the chain only in wait().
     side = ctx.reduce_stream()
@@ -168,7 +174,8 @@ def reduce_scatter_mean(ctx: DistContext, shard: torch.Tensor, full: torch.Tenso
     with torch.cuda.stream(side):
         scattered.wait()
         return _issue(ctx, ("all-reduce", f"{label} over replicas"), lambda: Pending(
-            dist.all_reduce(shard, op=op, group=ctx.replica_group, async_op=True), shard, divisor))
+            dist.all_reduce(shard, op=op, group=ctx.replica_group, async_op=True), shard, divisor),
+            ctx.replica_peers)
 
 
 def all_reduce_mean(ctx: DistContext, tensor: torch.Tensor, *, label: str = "") -> Pending:

@@ -16,7 +16,7 @@ import os
 import random
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Dict, List, Optional, Protocol, Union
+from typing import Any, ContextManager, Dict, List, Optional, Protocol, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -134,6 +134,21 @@ class DistContext:
         if self.replicas == 1:
             return None
         return self.subgroups.get("replica") or self.group
+
+    @property
+    def shard_peers(self) -> Optional[Tuple[int, ...]]:
+        """The global ranks of :attr:`shard_group`, this one included; ``None`` when it is the world."""
+        if self.shard_size == self.world_size:
+            return None
+        start = self.rank - self.shard_rank
+        return tuple(range(start, start + self.shard_size))
+
+    @property
+    def replica_peers(self) -> Optional[Tuple[int, ...]]:
+        """The global ranks of :attr:`replica_group`, this one included; ``None`` when it is the world."""
+        if self.shard_size == 1:
+            return None
+        return tuple(range(self.shard_rank, self.world_size, self.shard_size))
 
     def copy_stream(self, direction: str) -> "torch.cuda.Stream":
         """The stream of ``direction``'s copies ("to_device" or "to_host") on this CUDA device, made on first use.

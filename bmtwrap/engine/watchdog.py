@@ -20,6 +20,14 @@ more than one keeps a :class:`Watchdog`:
   collective of its own); one whose recent collectives differ from ours under the same numbers
   runs other blocks. The :class:`CollectiveError` raised names them.
 
+Under hybrid sharding (see [Note: hybrid sharding] in ``collectives.py``) a collective runs in a
+sub-group: its peers. Every rank still issues the same sequence, so the numbers agree across the
+world, but only the peers can stall it: a rank of another shard group that lags behind is no cause.
+So the diagnosis judges the peers first; the other ranks are named as causes only when no peer is
+one (a chain: this rank's replica waits in its own shard group for a dead rank there), and a dead or
+exited one among them is otherwise mentioned as context. A rank that waits ends early (see
+[Note: a failed step]) only for a peer that will never arrive.
+
 Beats are counters, not timestamps: staleness is judged on the reader's clock alone, so hosts need
 no synchronised clocks.
 
@@ -46,6 +54,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import datetime
 import json
 import os
@@ -75,6 +84,7 @@ EXIT_GRACE_S = 5.0
 _KEY = "bmtwrap/heartbeat/"
 
 Operation = Tuple[str, str]  # (kind, label): ("all-gather", "layers.3"), formatted only for messages
+Peers = Tuple[int, ...]  # the global ranks a collective runs among, this one included
 
 
 def describe(op: Operation) -> str:
@@ -147,6 +157,7 @@ class _Verdict:
     says: str
     cause: bool
     parted: bool = False  # it ran a different collective under the same number
+    gone: bool = False  # it is dead, has exited, or never started: a fault whichever collective failed
 
 
 def default_store() -> Optional[dist.Store]:
@@ -268,7 +279,8 @@ class Watchdog:
         # read sees a whole value (assignments are atomic under the GIL).
         self.issued = 0
         self._recent: Deque[Tuple[int, Operation]] = collections.deque(maxlen=RECENT)
-        self._waiting: Optional[Tuple[int, Operation]] = None
+        # (number, operation, peers: the ranks taking part, None for every rank)
+        self._waiting: Optional[Tuple[int, Operation, Optional[Peers]]] = None
         self._completion: Optional[CompletionWatch] = CompletionWatch() if watch_completion else None
         self._reported = -1  # the collective the stall report was written for
         self._failed: Optional[Tuple[int, str]] = None  # (step, what) of a step that failed here, until a collective
@@ -292,7 +304,7 @@ class Watchdog:
         """Around a collective that blocks until done (a barrier, ``all_reduce`` without ``async_op``): counts it
         and turns the backend's error into a :class:`CollectiveError`, as :meth:`wait` does."""
         seq = self.begin(op)
-        self._waiting = (seq, op)
+        self._waiting = (seq, op, None)
         try:
             yield
         except CollectiveError:
@@ -302,13 +314,16 @@ class Watchdog:
         finally:
             self._waiting = None
 
-    def wait(self, work: Any, seq: int, op: Operation) -> None:
-        """``work.wait()``, turning the backend's error into a :class:`CollectiveError` naming the ranks at fault."""
-        self._waiting = (seq, op)
+    def wait(self, work: Any, seq: int, op: Operation, peers: Optional[Peers] = None) -> None:
+        """``work.wait()``, turning the backend's error into a :class:`CollectiveError` naming the ranks at fault.
+
+        ``peers``: the ranks of the sub-group the collective runs in (``None``: every rank).
+        """
+        self._waiting = (seq, op, peers)
         try:
             work.wait()
         except RuntimeError as error:  # gloo's and NCCL's errors (DistBackendError is one)
-            raise self.failure(seq, op, error) from error
+            raise self.failure(seq, op, error, peers=peers) from error
         finally:
             self._waiting = None
         if self._completion is not None and self._thread is not None:
@@ -413,6 +428,7 @@ class Watchdog:
         """
         waiting = self._waiting
         seq = waiting[0] if waiting is not None else probe.seq if probe is not None else 0
+        peers = waiting[2] if waiting is not None else None
         waited_before, self._last_wait = self._last_wait, seq
         if seq == 0 or seq != waited_before:  # not waiting, or not for a whole beat yet
             self._suspects.clear()
@@ -424,8 +440,8 @@ class Watchdog:
             return
         mine = self._failed
         # An exited rank never finishes what it issued either: a collective it finished would have finished here.
-        gone = {r: rec for r, rec in records.items() if rec.exited or (
-            rec.issued < seq and rec.failed and not (mine is not None and mine[0] == rec.failed_step))}
+        gone = {r: rec for r, rec in records.items() if (peers is None or r in peers) and (rec.exited or (
+            rec.issued < seq and rec.failed and not (mine is not None and mine[0] == rec.failed_step)))}
         confirmed = [r for r, rec in gone.items() if self._suspects.get(r) == rec.issued]
         self._suspects = {r: rec.issued for r, rec in gone.items()}
         if not confirmed:
@@ -446,10 +462,10 @@ class Watchdog:
     _end_process = staticmethod(os._exit)
 
     # --- diagnosis --------------------------------------------------------------------------------
-    def failure(self, seq: int, op: Operation, error: Optional[BaseException], *,
-                waited: Optional[float] = None, first: Optional[int] = None) -> CollectiveError:
+    def failure(self, seq: int, op: Operation, error: Optional[BaseException], *, waited: Optional[float] = None,
+                first: Optional[int] = None, peers: Optional[Peers] = None) -> CollectiveError:
         """The error for collective ``seq`` (``op``), which failed with ``error`` (``None``: is still stuck, it or
-        one of those from ``first`` on).
+        one of those from ``first`` on); ``peers``: the ranks it runs among (``None``: every rank).
 
         Reads the other ranks' records for ``STALE_BEATS`` intervals (less when every rank's beat moves).
         """
@@ -466,6 +482,10 @@ class Watchdog:
             what = "failed"
         head = f"{operation} (collective #{seq}) {what} on rank {self.rank}"
         verdicts, unknown = self._verdicts(seq)
+        if peers is not None and any(v.cause and v.rank in peers for v in verdicts):
+            # The peers explain it: the other ranks are context, and only if they are gone.
+            verdicts = [v if v.rank in peers else dataclasses.replace(v, cause=False) for v in verdicts
+                        if v.rank in peers or v.gone]
         causes = [v for v in verdicts if v.cause]
         followers = [v for v in verdicts if not v.cause]
         if causes:
@@ -566,7 +586,8 @@ def _judge(rank: int, first: Optional[RankRecord], latest: Optional[RankRecord],
            mine: Dict[int, str], window: float) -> Optional[_Verdict]:
     """What ``rank`` did, if it bears on the failure of rank ``me``'s collective ``seq`` (``mine``: its recent ones)."""
     if latest is None:
-        return _Verdict(rank, f"rank {rank} never started its heartbeat (it died or hung before joining)", True)
+        return _Verdict(rank, f"rank {rank} never started its heartbeat (it died or hung before joining)", True,
+                        gone=True)
     parted = next(((n, theirs) for n, theirs in latest.recent if n in mine and mine[n] != theirs), None)
     if parted is not None:
         n, theirs = parted
@@ -584,14 +605,14 @@ def _judge(rank: int, first: Optional[RankRecord], latest: Optional[RankRecord],
     if latest.exited:
         if failed:  # the cause, even when it issued this collective before it failed (a prefetch)
             tail = f"{history}, and {where}" if where else "after issuing this collective"
-            return _Verdict(rank, f"{failed}it has exited since, {tail}", True, parted is not None)
+            return _Verdict(rank, f"{failed}it has exited since, {tail}", True, parted is not None, gone=True)
         if not where:
-            return _Verdict(rank, f"rank {rank} has exited since, after reaching this collective", False)
+            return _Verdict(rank, f"rank {rank} has exited since, after reaching this collective", False, gone=True)
         return _Verdict(rank, f"rank {rank} has exited (an exception, a normal end, or destroy_process_group()) "
-                        f"{history}, and {where}", True, parted is not None)
+                        f"{history}, and {where}", True, parted is not None, gone=True)
     if not _moved(first, latest):
         return _Verdict(rank, f"rank {rank} is dead: no heartbeat for {window:g} s (killed, crashed, or its host is "
-                        f"gone; its last heartbeat came {history}){parted_too}", True, parted is not None)
+                        f"gone; its last heartbeat came {history}){parted_too}", True, parted is not None, gone=True)
     if not where:
         return None
     return _Verdict(rank, f"{failed}it is alive but {where}" if failed else f"rank {rank} is alive but {where}", True,

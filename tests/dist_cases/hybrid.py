@@ -62,7 +62,10 @@ def replicas_identical(optimizer: str, offload_params: bool = False) -> Dict[str
         opt.step()
     model.loss(_shares(data)).backward()  # gradients to compare too
     ctx = bmt.init_distributed()
-    mine = [buffer.local.detach().clone().cpu() for buffer in flat_buffers(model)]
+    buffers = flat_buffers(model)
+    for buffer in buffers:
+        buffer.wait_writes()  # step_in_backward: the last backward's updates may still be on their way
+    mine = [buffer.local.detach().clone().cpu() for buffer in buffers]
     mine += [p.grad.detach().clone().cpu() for p in model.parameters() if p.grad is not None]
     for state in opt.state_dict()["state"].values():
         mine += [v.detach().clone().cpu() for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
