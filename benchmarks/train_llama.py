@@ -243,6 +243,9 @@ def main() -> None:
         reserved.append(torch.cuda.max_memory_reserved())
         used.append(gauge.reserved_peak() + gauge.outside_allocator())  # what nvidia-smi shows at most
         torch.cuda.reset_peak_memory_stats()
+        # Each step as it ends, so that a run cut short still tells its pace.
+        bmt.print_rank(f"step {i + 1}/{args.warmup + args.steps} {time.perf_counter() - start:.2f} s, peak "
+                       f"{peaks[-1] / 2**30:.2f} GiB", flush=True)
         if i == 0 and getattr(optimizer, "auto_report", None):
             bmt.print_rank(f"offload_fraction='auto' decided: {optimizer.auto_report}, first step's peak "
                            f"{peaks[0] / 2**30:.2f} GiB", flush=True)
