@@ -10,8 +10,9 @@ more than one keeps a :class:`Watchdog`:
   marks the one it waits in;
 - a daemon thread publishes, every ``interval`` seconds (1 s), one small record per rank into the
   job's ``torch.distributed`` store: a beat counter, how many collectives the rank has issued, the
-  last ``RECENT`` of them, the one it is blocked waiting in (:class:`RankRecord`). One ``set`` of a
-  few hundred bytes per rank per second is the whole steady-state cost;
+  last ``RECENT`` of them, the one it is blocked waiting in (:class:`RankRecord`, in ``verdicts.py``
+  with the reading of it). One ``set`` of a few hundred bytes per rank per second is the whole
+  steady-state cost;
 - when a collective fails on a rank, that rank reads every record, then polls the ranks whose beat
   has not moved since, for up to ``STALE_BEATS`` intervals (3 s). A rank whose beat never moved is
   dead (SIGKILL, a segfault, a lost host: nothing ran to say goodbye); one that marked itself
@@ -54,19 +55,18 @@ from __future__ import annotations
 
 import atexit
 import collections
-import dataclasses
 import datetime
-import json
 import os
 import sys
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+
+from .verdicts import RankRecord, Verdict, among, judge, moved
 
 __all__ = ["CollectiveError", "CompletionWatch", "RankRecord", "Watchdog", "default_store", "describe"]
 
@@ -120,44 +120,6 @@ class CollectiveError(RuntimeError):
         super().__init__(message)
         self.operation = operation
         self.ranks = tuple(ranks)
-
-
-class RankRecord(NamedTuple):
-    """What one rank last published (see [Note: heartbeats])."""
-
-    beat: int  # how many records it has written
-    issued: int  # how many collectives it has issued
-    recent: List[Tuple[int, str]]  # the last RECENT of them, (number, described), oldest first
-    waiting: str  # the collective it is blocked waiting in ("#12, all-gather of 'layers.3'"), or ""
-    exited: bool  # it stopped its watchdog: a normal exit, an exception, destroy_process_group()
-    # A step failed on it (see [Note: a failed step]) and it has issued no collective since: what failed, else "".
-    failed: str = ""
-    failed_step: int = 0
-
-    def encode(self) -> str:
-        return json.dumps(self._asdict())
-
-    @classmethod
-    def decode(cls, raw: bytes) -> "RankRecord":
-        fields = json.loads(raw)
-        fields["recent"] = [tuple(entry) for entry in fields["recent"]]
-        return cls(**fields)
-
-    @property
-    def last(self) -> str:
-        """The last collective issued: ``"#12, all-gather of 'layers.3'"``, or ``""``."""
-        return f"#{self.recent[-1][0]}, {self.recent[-1][1]}" if self.recent else ""
-
-
-@dataclass(frozen=True)
-class _Verdict:
-    """What one other rank did, said in a sentence; ``cause``: it explains the failure (else it followed it)."""
-
-    rank: int
-    says: str
-    cause: bool
-    parted: bool = False  # it ran a different collective under the same number
-    gone: bool = False  # it is dead, has exited, or never started: a fault whichever collective failed
 
 
 def default_store() -> Optional[dist.Store]:
@@ -482,10 +444,7 @@ class Watchdog:
             what = "failed"
         head = f"{operation} (collective #{seq}) {what} on rank {self.rank}"
         verdicts, unknown = self._verdicts(seq)
-        if peers is not None and any(v.cause and v.rank in peers for v in verdicts):
-            # The peers explain it: the other ranks are context, and only if they are gone.
-            verdicts = [v if v.rank in peers else dataclasses.replace(v, cause=False) for v in verdicts
-                        if v.rank in peers or v.gone]
+        verdicts = among(verdicts, peers)
         causes = [v for v in verdicts if v.cause]
         followers = [v for v in verdicts if not v.cause]
         if causes:
@@ -504,7 +463,7 @@ class Watchdog:
         return CollectiveError(f"{head}: {body}{tail}", operation=operation,
                                ranks=[v.rank for v in (causes or followers)])
 
-    def _verdicts(self, seq: int) -> Tuple[List[_Verdict], str]:
+    def _verdicts(self, seq: int) -> Tuple[List[Verdict], str]:
         """What the other ranks did, or why it cannot be told."""
         if self._store is None:
             return [], "the job's store is not reachable from here, so the ranks at fault cannot be named."
@@ -520,12 +479,12 @@ class Watchdog:
             while silent and time.monotonic() < deadline:
                 time.sleep(min(self.interval / 4, max(deadline - time.monotonic(), 0)))
                 latest.update(self._read(silent))
-                silent = [r for r in silent if not (_moved(first.get(r), latest.get(r)) or (r in latest and latest[r].exited))]
+                silent = [r for r in silent if not (moved(first.get(r), latest.get(r)) or (r in latest and latest[r].exited))]
         except (RuntimeError, OSError) as error:
             return [], (f"the other ranks' heartbeats could not be read from the job's store ({error}); the store's "
                         "host is probably gone: torchrun's agent, or rank 0 when the job was started without torchrun.")
         mine = {number: describe(op) for number, op in list(self._recent)}
-        verdicts = [_judge(r, first.get(r), latest.get(r), seq, self.rank, mine, window) for r in self._others()]
+        verdicts = [judge(r, first.get(r), latest.get(r), seq, self.rank, mine, window) for r in self._others()]
         return [v for v in verdicts if v is not None], ""
 
     def _others(self) -> List[int]:
@@ -576,44 +535,3 @@ def _end_promptly_after_uncaught_exception() -> None:
         os._exit(1)
 
     atexit.register(end)
-
-
-def _moved(before: Optional[RankRecord], after: Optional[RankRecord]) -> bool:
-    return after is not None and (before is None or after.beat != before.beat)
-
-
-def _judge(rank: int, first: Optional[RankRecord], latest: Optional[RankRecord], seq: int, me: int,
-           mine: Dict[int, str], window: float) -> Optional[_Verdict]:
-    """What ``rank`` did, if it bears on the failure of rank ``me``'s collective ``seq`` (``mine``: its recent ones)."""
-    if latest is None:
-        return _Verdict(rank, f"rank {rank} never started its heartbeat (it died or hung before joining)", True,
-                        gone=True)
-    parted = next(((n, theirs) for n, theirs in latest.recent if n in mine and mine[n] != theirs), None)
-    if parted is not None:
-        n, theirs = parted
-        where = f"ran {theirs} as collective #{n}, where rank {me} ran {mine[n]}"
-    elif latest.issued < seq:
-        where = (f"has not reached collective #{latest.issued + 1}: " + (
-            f"it is waiting in {latest.waiting}" if latest.waiting else
-            f"it is outside the collectives since {latest.last} (computing, loading data, or blocked elsewhere)"
-            if latest.issued else "it has not issued any collective yet"))
-    else:
-        where = ""
-    history = f"after {latest.last}" if latest.issued else "before its first collective"
-    parted_too = f", and it {where}" if parted else ""
-    failed = f"rank {rank} failed in step {latest.failed_step}: {latest.failed}; " if latest.failed else ""
-    if latest.exited:
-        if failed:  # the cause, even when it issued this collective before it failed (a prefetch)
-            tail = f"{history}, and {where}" if where else "after issuing this collective"
-            return _Verdict(rank, f"{failed}it has exited since, {tail}", True, parted is not None, gone=True)
-        if not where:
-            return _Verdict(rank, f"rank {rank} has exited since, after reaching this collective", False, gone=True)
-        return _Verdict(rank, f"rank {rank} has exited (an exception, a normal end, or destroy_process_group()) "
-                        f"{history}, and {where}", True, parted is not None, gone=True)
-    if not _moved(first, latest):
-        return _Verdict(rank, f"rank {rank} is dead: no heartbeat for {window:g} s (killed, crashed, or its host is "
-                        f"gone; its last heartbeat came {history}){parted_too}", True, parted is not None, gone=True)
-    if not where:
-        return None
-    return _Verdict(rank, f"{failed}it is alive but {where}" if failed else f"rank {rank} is alive but {where}", True,
-                    parted is not None)
