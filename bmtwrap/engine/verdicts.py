@@ -58,7 +58,8 @@ def among(verdicts: List[Verdict], peers: Optional[Tuple[int, ...]]) -> List[Ver
     explains it, the other ranks are context, and only those that are gone; else every rank's, as for the world."""
     if peers is None or not any(v.cause and v.rank in peers for v in verdicts):
         return verdicts
-    return [v if v.rank in peers else dataclasses.replace(v, cause=False) for v in verdicts if v.rank in peers or v.gone]
+    return [v if v.rank in peers else dataclasses.replace(v, cause=False)
+            for v in verdicts if v.rank in peers or v.gone]
 
 
 def moved(before: Optional[RankRecord], after: Optional[RankRecord]) -> bool:

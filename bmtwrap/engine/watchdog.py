@@ -479,7 +479,8 @@ class Watchdog:
             while silent and time.monotonic() < deadline:
                 time.sleep(min(self.interval / 4, max(deadline - time.monotonic(), 0)))
                 latest.update(self._read(silent))
-                silent = [r for r in silent if not (moved(first.get(r), latest.get(r)) or (r in latest and latest[r].exited))]
+                silent = [r for r in silent
+                          if not (moved(first.get(r), latest.get(r)) or (r in latest and latest[r].exited))]
         except (RuntimeError, OSError) as error:
             return [], (f"the other ranks' heartbeats could not be read from the job's store ({error}); the store's "
                         "host is probably gone: torchrun's agent, or rank 0 when the job was started without torchrun.")
