@@ -27,22 +27,32 @@ def _torchrun(*options):
     return [sys.executable, "-m", "torch.distributed.run", *options]
 
 
+def _one_agent(nproc: int, shard_size: int, *program: str) -> None:
+    """``program`` under one torchrun agent of ``nproc`` processes, with ``BMTWRAP_SHARD_SIZE=shard_size``."""
+    run = subprocess.run(_torchrun(f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+                                   f"--master_port={_free_port()}", *program),
+                         env=dict(_env(), BMTWRAP_SHARD_SIZE=str(shard_size)), capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+
+
+def _two_agents(nproc: int, *program: str) -> None:
+    """``program`` under two torchrun agents of ``nproc`` processes each, as on two machines: the same command on
+    every "node", the c10d rendezvous on localhost assigning the node ranks."""
+    command = _torchrun("--nnodes=2", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
+                        f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--rdzv-id=multi-node-test", *program)
+    agents = [subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for _ in range(2)]
+    outputs = [agent.communicate(timeout=600)[0] for agent in agents]
+    assert all(agent.returncode == 0 for agent in agents), "\n".join(o[-4000:] for o in outputs)
+
+
 @pytest.fixture(scope="module")
 def runs():
     with tempfile.TemporaryDirectory() as tmp:
         one, two = Path(tmp) / "one.json", Path(tmp) / "two.json"
-        single = subprocess.run(_torchrun("--nproc_per_node=4", "--master_addr=127.0.0.1",
-                                          f"--master_port={_free_port()}", str(SCRIPT), str(one)),
-                                env=dict(_env(), BMTWRAP_SHARD_SIZE="2"), capture_output=True, text=True, timeout=600)
-        assert single.returncode == 0, (single.stdout + single.stderr)[-6000:]
-        endpoint = f"127.0.0.1:{_free_port()}"
-        # The same command on every "node": the rendezvous assigns the node ranks.
-        command = _torchrun("--nnodes=2", "--nproc_per_node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
-                            "--rdzv-id=multi-node-test", str(SCRIPT), str(two))
-        agents = [subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                  for _ in range(2)]
-        outputs = [agent.communicate(timeout=600)[0] for agent in agents]
-        assert all(agent.returncode == 0 for agent in agents), "\n".join(o[-4000:] for o in outputs)
+        _one_agent(4, 2, str(SCRIPT), str(one))
+        _two_agents(2, str(SCRIPT), str(two))
         yield json.loads(one.read_text()), json.loads(two.read_text())
 
 
@@ -75,17 +85,8 @@ def test_the_finetune_example_runs_unchanged_across_two_agents(tmp_path):
     example = str(ROOT / "examples" / "finetune_hf.py")
     quick = ["--steps", "4", "--save-every", "0", "--eval-batches", "1", "--seq", "64", "--batch", "4",
              "--sample-tokens", "8"]
-    single = subprocess.run(_torchrun("--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
-                                      example, *quick, "--out", str(tmp_path / "one")),
-                            env=dict(_env(), BMTWRAP_SHARD_SIZE="1"), capture_output=True, text=True, timeout=600)
-    assert single.returncode == 0, (single.stdout + single.stderr)[-6000:]
-    command = _torchrun("--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
-                        f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--rdzv-id=finetune-test", example, *quick,
-                        "--out", str(tmp_path / "two"))
-    agents = [subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-              for _ in range(2)]
-    outputs = [agent.communicate(timeout=600)[0] for agent in agents]
-    assert all(agent.returncode == 0 for agent in agents), "\n".join(o[-4000:] for o in outputs)
+    _one_agent(2, 1, example, *quick, "--out", str(tmp_path / "one"))
+    _two_agents(1, example, *quick, "--out", str(tmp_path / "two"))
 
     def losses(out):
         return [(r["step"], r["loss"]) for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())

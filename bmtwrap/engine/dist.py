@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import functools
 import math
 import numbers
 import os
@@ -135,20 +136,19 @@ class DistContext:
             return None
         return self.subgroups.get("replica") or self.group
 
-    @property
+    @functools.cached_property
     def shard_peers(self) -> Optional[Tuple[int, ...]]:
         """The global ranks of :attr:`shard_group`, this one included; ``None`` when it is the world."""
         if self.shard_size == self.world_size:
             return None
-        start = self.rank - self.shard_rank
-        return tuple(range(start, start + self.shard_size))
+        return tuple(_shard_groups(self.world_size, self.shard_size)[self.rank // self.shard_size])
 
-    @property
+    @functools.cached_property
     def replica_peers(self) -> Optional[Tuple[int, ...]]:
         """The global ranks of :attr:`replica_group`, this one included; ``None`` when it is the world."""
         if self.shard_size == 1:
             return None
-        return tuple(range(self.shard_rank, self.world_size, self.shard_size))
+        return tuple(_replica_groups(self.world_size, self.shard_size)[self.shard_rank])
 
     def copy_stream(self, direction: str) -> "torch.cuda.Stream":
         """The stream of ``direction``'s copies ("to_device" or "to_host") on this CUDA device, made on first use.
@@ -431,11 +431,19 @@ def _make_subgroups(world: int, shards: int, wait_limit: datetime.timedelta) -> 
     """
     if shards in (1, world):
         return {}
-    shard, _ = dist.new_subgroups_by_enumeration(
-        [list(range(start, start + shards)) for start in range(0, world, shards)], timeout=wait_limit)
-    replica, _ = dist.new_subgroups_by_enumeration(
-        [list(range(offset, world, shards)) for offset in range(shards)], timeout=wait_limit)
+    shard, _ = dist.new_subgroups_by_enumeration(_shard_groups(world, shards), timeout=wait_limit)
+    replica, _ = dist.new_subgroups_by_enumeration(_replica_groups(world, shards), timeout=wait_limit)
     return {"shard": shard, "replica": replica}
+
+
+def _shard_groups(world: int, shards: int) -> List[List[int]]:
+    """The shard groups of a hybrid layout: ``shards`` consecutive ranks each (see [Note: hybrid sharding])."""
+    return [list(range(start, start + shards)) for start in range(0, world, shards)]
+
+
+def _replica_groups(world: int, shards: int) -> List[List[int]]:
+    """The replica groups: group ``i`` holds the ranks with shard rank ``i``, one per shard group."""
+    return [list(range(offset, world, shards)) for offset in range(shards)]
 
 
 def _check_timeout(timeout: Union[datetime.timedelta, float, None]) -> datetime.timedelta:
