@@ -76,16 +76,19 @@ PYBIND11_MODULE(_C, m) {
       [](std::uintptr_t param_ptr, std::uintptr_t grad_ptr, bmtwrap::DType grad_dtype, std::uintptr_t exp_avg_ptr,
          std::uintptr_t exp_avg_sq_ptr, int64_t numel, double lr, double beta1, double beta2, double eps,
          double weight_decay, int64_t step, double grad_scale, bool decoupled, std::uintptr_t out_ptr,
-         bmtwrap::DType out_dtype, int num_threads, CpuIsa isa) {
+         bmtwrap::DType out_dtype, int num_threads, CpuIsa isa, std::uintptr_t param_target,
+         std::uintptr_t exp_avg_target, std::uintptr_t exp_avg_sq_target) {
         const bmtwrap::cpu::AdamHyper hyper{lr, beta1, beta2, eps, weight_decay, step, grad_scale, decoupled};
         bmtwrap::cpu::adam_cpu(param_ptr, grad_ptr, grad_dtype, exp_avg_ptr, exp_avg_sq_ptr, numel, hyper, out_ptr,
-                               out_dtype, num_threads, isa);
+                               out_dtype, num_threads, isa, {param_target, exp_avg_target, exp_avg_sq_target});
       },
       "param_ptr"_a, "grad_ptr"_a, "grad_dtype"_a, "exp_avg_ptr"_a, "exp_avg_sq_ptr"_a, "numel"_a, "lr"_a,
       "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "step"_a, "grad_scale"_a, "decoupled"_a, "out_ptr"_a,
-      "out_dtype"_a, "num_threads"_a = 0, "isa"_a = CpuIsa::kBest, py::call_guard<py::gil_scoped_release>(),
-      "One Adam (decoupled=False) or AdamW step over numel host elements, in place: param, exp_avg, exp_avg_sq "
-      "fp32; grad of grad_dtype, multiplied by grad_scale on load; when out_ptr != 0, the new param rounded "
+      "out_dtype"_a, "num_threads"_a = 0, "isa"_a = CpuIsa::kBest, "param_target"_a = 0, "exp_avg_target"_a = 0,
+      "exp_avg_sq_target"_a = 0, py::call_guard<py::gil_scoped_release>(),
+      "One Adam (decoupled=False) or AdamW step over numel host elements: param, exp_avg, exp_avg_sq fp32, "
+      "updated in place, or written to the *_target addresses where those are nonzero (the inputs then only "
+      "read); grad of grad_dtype, multiplied by grad_scale on load; when out_ptr != 0, the new param rounded "
       "to out_dtype (float16 or bfloat16) at out_ptr. Matches torch.optim.AdamW to fp32 rounding. "
       "num_threads=0: all cores; isa: which compiled kernels (CpuIsa.best: the widest this CPU has).");
 
@@ -130,10 +133,12 @@ PYBIND11_MODULE(_C, m) {
            "wait for the copy back. "
            "Raises RuntimeError if the update failed.");
   // param, param_dtype, grad, grad_dtype, master, exp_avg, exp_avg_sq, numel, lr, beta1, beta2, eps,
-  // weight_decay, step, grad_scale, decoupled, priority, on_host, grad_on_host
+  // weight_decay, step, grad_scale, decoupled, priority, on_host, grad_on_host, master_target, exp_avg_target,
+  // exp_avg_sq_target, order
   using UpdateTuple = std::tuple<std::uintptr_t, bmtwrap::DType, std::uintptr_t, bmtwrap::DType, std::uintptr_t,
                                  std::uintptr_t, std::uintptr_t, int64_t, double, double, double, double, double,
-                                 int64_t, double, bool, int64_t, bool, bool>;
+                                 int64_t, double, bool, int64_t, bool, bool, std::uintptr_t, std::uintptr_t,
+                                 std::uintptr_t, std::uintptr_t>;
   py::class_<OffloadQueue>(m, "OffloadQueue",
                            "Adam updates run chunk by chunk on a C++ worker thread; see csrc/cpu/offload.cpp.")
       .def(py::init([](int device, int64_t chunk_numel, int slots, int64_t grad_bytes, int64_t out_bytes,
@@ -158,18 +163,21 @@ PYBIND11_MODULE(_C, m) {
             specs.reserve(updates.size());
             for (const auto& u : updates) {
               const auto& [param, param_dtype, grad, grad_dtype, master, exp_avg, exp_avg_sq, numel, lr, beta1,
-                           beta2, eps, weight_decay, step, grad_scale, decoupled, priority, on_host,
-                           grad_on_host] = u;
+                           beta2, eps, weight_decay, step, grad_scale, decoupled, priority, on_host, grad_on_host,
+                           master_target, exp_avg_target, exp_avg_sq_target, order] = u;
               specs.push_back({param, param_dtype, grad, grad_dtype, master, exp_avg, exp_avg_sq, numel,
                                {lr, beta1, beta2, eps, weight_decay, step, grad_scale, decoupled}, priority,
-                               on_host, grad_on_host});
+                               on_host, grad_on_host, {master_target, exp_avg_target, exp_avg_sq_target}, order});
             }
             return queue.submit(specs, ready_stream);
           },
           "updates"_a, "ready_stream"_a, py::call_guard<py::gil_scoped_release>(),
           "Queue updates, each a tuple (param, param_dtype, grad, grad_dtype, master, exp_avg, exp_avg_sq, numel, "
-          "lr, beta1, beta2, eps, weight_decay, step, grad_scale, decoupled, priority, on_host, grad_on_host); on a "
-          "device, gradients are read once ready_stream reaches this point. on_host: param and grad are host memory "
+          "lr, beta1, beta2, eps, weight_decay, step, grad_scale, decoupled, priority, on_host, grad_on_host, "
+          "master_target, exp_avg_target, exp_avg_sq_target, order); on a "
+          "device, gradients are read once ready_stream reaches this point. *_target: where the new master and "
+          "moments go (0: in place); order: updates with the same nonzero order run in submission order (0: the "
+          "master's address). on_host: param and grad are host memory "
           "in a queue for a device (updated in place, no staging). grad_on_host: only grad is host memory, copied "
           "there before ready_stream's point. Returns one OffloadTicket per update.")
       .def("prioritise", &OffloadQueue::prioritise, "Until the queue is next empty, take the lowest priority first instead of the newest.")

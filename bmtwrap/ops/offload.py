@@ -31,6 +31,16 @@ class OffloadUpdate(NamedTuple):
     exp_avg_sq: torch.Tensor  # fp32, CPU
     hyper: dict  # keyword arguments of adam_step_cpu: lr, beta1, beta2, eps, weight_decay, step, ...
     priority: int  # lower first once the queue is prioritised
+    # Where the new master and moments go: None, in place; else fp32 CPU tensors of the same size, disjoint from
+    # the inputs, which are then only read (a step that may be redone from the same state).
+    master_out: torch.Tensor | None = None
+    exp_avg_out: torch.Tensor | None = None
+    exp_avg_sq_out: torch.Tensor | None = None
+    # Updates with the same order key run in the order they were submitted (None: those of the same master).
+    order: int | None = None
+
+    def targets(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        return self.master_out, self.exp_avg_out, self.exp_avg_sq_out
 
 
 class OffloadTicket:
@@ -145,7 +155,8 @@ class OffloadQueue:
         specs = [(u.param.data_ptr(), _ext.dtype_code(ext, u.param.dtype),
                   u.grad.data_ptr(), _ext.dtype_code(ext, u.grad.dtype),
                   u.master.data_ptr(), u.exp_avg.data_ptr(), u.exp_avg_sq.data_ptr(), u.param.numel(), *h, u.priority,
-                  u.param.device.type == "cpu", u.param.is_cuda and u.grad.device.type == "cpu")
+                  u.param.device.type == "cpu", u.param.is_cuda and u.grad.device.type == "cpu",
+                  *(0 if t is None else t.data_ptr() for t in u.targets()), u.order or 0)
                  for u, h in zip(updates, hypers)]
         if self.device.type != "cuda":
             ready = 0
@@ -155,7 +166,7 @@ class OffloadQueue:
         tickets = self._queue.submit(specs, ready)
         keys = range(self._submitted, self._submitted + len(tickets))
         self._submitted += len(tickets)
-        self._held.update((key, (t, tuple(u[:5]))) for key, t, u in zip(keys, tickets, updates))
+        self._held.update((key, (t, (*u[:5], *u.targets()))) for key, t, u in zip(keys, tickets, updates))
         # The parameters change behind autograd's back: copies gathered from the old values are stale.
         torch.autograd.graph.increment_version([u.param for u in updates])
         return [OffloadTicket(t, self.device, functools.partial(self._waited, key)) for key, t in zip(keys, tickets)]
@@ -220,7 +231,19 @@ class OffloadQueue:
         if own_master != (host and u.param.dtype == torch.float32):
             raise ValueError("master must be param itself exactly when param is an fp32 CPU tensor; otherwise "
                              "a separate fp32 CPU tensor")
-        tensors = {"master": u.master, "exp_avg": u.exp_avg, "exp_avg_sq": u.exp_avg_sq}
+        targets = {name: t for name, t in zip(("master_out", "exp_avg_out", "exp_avg_sq_out"), u.targets())
+                   if t is not None}
+        if targets and own_master:
+            raise ValueError("a parameter that is its own master (an fp32 CPU shard) is updated in place; "
+                             "master_out, exp_avg_out and exp_avg_sq_out need a separate master")
+        for name, tensor in targets.items():
+            _check_adam_state(name, tensor)
+            if tensor.numel() != u.param.numel():
+                raise ValueError(f"{name} has {tensor.numel()} elements but param has {u.param.numel()}")
+        if u.order is not None and (isinstance(u.order, bool) or not isinstance(u.order, numbers.Integral)
+                                    or u.order <= 0):
+            raise ValueError(f"order must be a positive int or None, got {u.order!r}")
+        tensors = {"master": u.master, "exp_avg": u.exp_avg, "exp_avg_sq": u.exp_avg_sq, **targets}
         if grad_on_host:
             tensors["grad"] = u.grad
         if host:
@@ -234,11 +257,15 @@ class OffloadQueue:
     def _run_now(self, u: OffloadUpdate) -> None:
         """The update, synchronously, through adam_step_cpu (its kernel where only the CUDA half is missing)."""
         rounded = None if u.param.dtype == torch.float32 else torch.empty(u.param.numel(), dtype=u.param.dtype)
-        adam_step_cpu(u.master.view(-1), u.grad.reshape(-1).cpu(), u.exp_avg.view(-1), u.exp_avg_sq.view(-1),
-                      out=rounded, **u.hyper)
+        state = []
+        for source, target in zip((u.master, u.exp_avg, u.exp_avg_sq), u.targets()):
+            if target is not None:
+                target.view(-1).copy_(source.view(-1))  # then updated in place there
+            state.append((source if target is None else target).view(-1))
+        adam_step_cpu(state[0], u.grad.reshape(-1).cpu(), state[1], state[2], out=rounded, **u.hyper)
         if u.master.data_ptr() != u.param.data_ptr():
             with torch.no_grad():
-                u.param.view(-1).copy_(u.master.view(-1) if rounded is None else rounded)
+                u.param.view(-1).copy_(state[0] if rounded is None else rounded)
         torch.autograd.graph.increment_version([u.param])
 
 

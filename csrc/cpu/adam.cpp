@@ -184,6 +184,7 @@ struct Avx2 {
   }
   BMT_TARGET_AVX2 static void store(BFloat16* p, F x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_bits(x)); }
   // Streaming stores (past the caches) of a copy; p is aligned to 16 bytes.
+  BMT_TARGET_AVX2 static void stream(float* p, F x) { _mm256_stream_ps(p, x); }  // p aligned to 32 bytes
   BMT_TARGET_AVX2 static void stream(Half* p, F x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), half_bits(x)); }
   BMT_TARGET_AVX2 static void stream(BFloat16* p, F x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), bf16_bits(x)); }
   BMT_TARGET_AVX2 static void fence() { _mm_sfence(); }
@@ -226,6 +227,7 @@ struct Avx512 {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits(x));
   }
   // Streaming stores (past the caches) of a copy; p is aligned to 32 bytes.
+  BMT_TARGET_AVX512 static void stream(float* p, F x) { _mm512_stream_ps(p, x); }  // p aligned to 64 bytes
   BMT_TARGET_AVX512 static void stream(Half* p, F x) {
     _mm256_stream_si256(reinterpret_cast<__m256i*>(p), half_bits(x));
   }
@@ -290,14 +292,18 @@ AdamScalars make_scalars(const AdamHyper& h) {
   return s;
 }
 
-// The five buffers of one step, typed. G: the gradient's element type; C: the copy's (or NoCopy).
+// The buffers of one step, typed. G: the gradient's element type; C: the copy's (or NoCopy). The new param,
+// exp_avg and exp_avg_sq go to the *_out pointers, which equal the inputs for a step in place.
 template <typename G, typename C>
 struct Buffers {
-  float* param;
+  const float* param;
   const G* grad;
-  float* exp_avg;
-  float* exp_avg_sq;
+  const float* exp_avg;
+  const float* exp_avg_sq;
   C* copy;
+  float* param_out;
+  float* exp_avg_out;
+  float* exp_avg_sq_out;
 };
 
 // [Note: memory traffic]
@@ -309,8 +315,10 @@ struct Buffers {
 //     the copy again (the GPU's DMA does), so bypassing the caches saves reading each of its lines before
 //     writing it and keeps the caches for the state. Only for large steps (kStreamCopyMinElements): a small
 //     copy may well be read back from cache at once.
-// Streaming stores for param and the moments made things slower (their lines are in cache already, having
-// just been read), as did prefetching further ahead (1-4 Ki elements) or less far (256).
+// Streaming stores for param and the moments made things slower in place (their lines are in cache already, having
+// just been read), as did prefetching further ahead (1-4 Ki elements) or less far (256). A step written elsewhere
+// (AdamTargets) is the opposite case: its targets' lines are not in cache, and a plain store first reads each line
+// it writes (12 bytes per element more, 40 instead of 28); streaming stores write them without reading.
 constexpr int64_t kPrefetchElements = 512;
 constexpr int64_t kStreamCopyMinElements = int64_t{1} << 20;
 
@@ -326,8 +334,9 @@ inline void prefetch_ahead(const T* p, int64_t i) {
 }
 
 // Elements [begin, end) of the step, kWidth at a time; end - begin must be a multiple of V::kWidth. With
-// kStreamCopy the copy is written with streaming stores, so b.copy + begin must be aligned to a whole vector.
-template <typename V, typename G, typename C, bool kL2, bool kStreamCopy = false>
+// kStreamCopy the copy is written with streaming stores, so b.copy + begin must be aligned to a whole vector; with
+// kStreamState so are the new param and moments, so their targets + begin must be too.
+template <typename V, typename G, typename C, bool kL2, bool kStreamCopy = false, bool kStreamState = false>
 inline void adam_vectors(const Buffers<G, C>& b, const AdamScalars& s, int64_t begin, int64_t end) {
   using F = typename V::F;
   const F grad_scale = V::set1(s.grad_scale);
@@ -359,9 +368,15 @@ inline void adam_vectors(const Buffers<G, C>& b, const AdamScalars& s, int64_t b
     v = V::fmadd(V::mul(one_minus_beta2, g), g, V::mul(v, beta2));
     const F denom = V::add(V::div(V::sqrt(v), bc2_sqrt), eps);
     p = V::add(p, V::div(V::mul(neg_step_size, m), denom));
-    V::store(b.param + i, p);
-    V::store(b.exp_avg + i, m);
-    V::store(b.exp_avg_sq + i, v);
+    if constexpr (kStreamState) {
+      V::stream(b.param_out + i, p);
+      V::stream(b.exp_avg_out + i, m);
+      V::stream(b.exp_avg_sq_out + i, v);
+    } else {
+      V::store(b.param_out + i, p);
+      V::store(b.exp_avg_out + i, m);
+      V::store(b.exp_avg_sq_out + i, v);
+    }
     if constexpr (kStreamCopy) {
       V::stream(b.copy + i, p);
     } else if constexpr (!std::is_same_v<C, NoCopy>) {
@@ -370,20 +385,39 @@ inline void adam_vectors(const Buffers<G, C>& b, const AdamScalars& s, int64_t b
   }
 }
 
-// Elements [begin, end): whole vectors of V, then the rest one at a time. With stream_copy (and a copy to
-// write), the elements before the copy's first vector-aligned address go one at a time too, and the streaming
-// stores are fenced before returning, so that the caller's synchronisation also publishes them.
+// Elements [begin, end): whole vectors of V, then the rest one at a time. With stream_state (the step writes
+// elsewhere: AdamTargets) the new param and moments, and with stream_copy the copy, are written with streaming
+// stores where their addresses allow: the elements before the first whole vector of the streamed output go one at a
+// time, and a second output streams only if it is aligned there too. Streaming stores are fenced before returning,
+// so that the caller's synchronisation also publishes them.
 template <typename V, typename G, typename C, bool kL2>
-inline void adam_range(const Buffers<G, C>& b, const AdamScalars& s, int64_t begin, int64_t end, bool stream_copy) {
-  if constexpr (!std::is_same_v<C, NoCopy> && V::kWidth > 1) {
-    if (stream_copy) {
-      constexpr auto kVectorBytes = static_cast<std::uintptr_t>(V::kWidth * sizeof(C));
-      const std::uintptr_t address = reinterpret_cast<std::uintptr_t>(b.copy + begin);
-      const auto head = static_cast<int64_t>((kVectorBytes - address % kVectorBytes) % kVectorBytes / sizeof(C));
+inline void adam_range(const Buffers<G, C>& b, const AdamScalars& s, int64_t begin, int64_t end, bool stream_copy,
+                       bool stream_state) {
+  constexpr bool kHasCopy = !std::is_same_v<C, NoCopy>;
+  if constexpr (V::kWidth > 1) {
+    stream_copy = stream_copy && kHasCopy;
+    if (stream_copy || stream_state) {
+      auto head_of = [&](std::uintptr_t address, std::uintptr_t element) {
+        const std::uintptr_t vector_bytes = static_cast<std::uintptr_t>(V::kWidth) * element;
+        return static_cast<int64_t>((vector_bytes - address % vector_bytes) % vector_bytes / element);
+      };
+      const int64_t head = stream_state ? head_of(reinterpret_cast<std::uintptr_t>(b.param_out + begin), 4)
+                                        : head_of(reinterpret_cast<std::uintptr_t>(b.copy + begin), sizeof(C));
       const int64_t vector_begin = std::min(end, begin + head);
       const int64_t vector_end = vector_begin + (end - vector_begin) / V::kWidth * V::kWidth;
+      if constexpr (kHasCopy) {
+        if (stream_copy && stream_state) {
+          stream_copy = head_of(reinterpret_cast<std::uintptr_t>(b.copy + vector_begin), sizeof(C)) == 0;
+        }
+      }
       adam_vectors<Scalar, G, C, kL2>(b, s, begin, vector_begin);
-      adam_vectors<V, G, C, kL2, true>(b, s, vector_begin, vector_end);
+      if (stream_state && stream_copy) {
+        adam_vectors<V, G, C, kL2, kHasCopy, true>(b, s, vector_begin, vector_end);
+      } else if (stream_state) {
+        adam_vectors<V, G, C, kL2, false, true>(b, s, vector_begin, vector_end);
+      } else {
+        adam_vectors<V, G, C, kL2, kHasCopy, false>(b, s, vector_begin, vector_end);
+      }
       adam_vectors<Scalar, G, C, kL2>(b, s, vector_end, end);
       V::fence();
       return;
@@ -397,8 +431,10 @@ inline void adam_range(const Buffers<G, C>& b, const AdamScalars& s, int64_t beg
 // A step as it crosses threads: untyped pointers and the dtypes that say how to read them.
 struct AdamJob {
   std::uintptr_t param, grad, exp_avg, exp_avg_sq, copy;  // copy == 0: no copy
+  std::uintptr_t param_out, exp_avg_out, exp_avg_sq_out;  // where the results go (the inputs: in place)
   DType grad_dtype, copy_dtype;
   bool stream_copy;  // write the copy with streaming stores (see [Note: memory traffic])
+  bool stream_state;  // write the new param and moments with streaming stores (they go to targets)
   AdamScalars scalars;
 };
 
@@ -435,13 +471,18 @@ inline void adam_job_range(const AdamJob& job, int64_t begin, int64_t end) {
       using G = typename decltype(grad_tag)::type;
       using C = typename decltype(copy_tag)::type;
       if constexpr (!std::is_same_v<G, NoCopy> && !std::is_same_v<C, float>) {
-        const Buffers<G, C> buffers{reinterpret_cast<float*>(job.param), reinterpret_cast<const G*>(job.grad),
-                                    reinterpret_cast<float*>(job.exp_avg),
-                                    reinterpret_cast<float*>(job.exp_avg_sq), reinterpret_cast<C*>(job.copy)};
+        const Buffers<G, C> buffers{reinterpret_cast<const float*>(job.param),
+                                    reinterpret_cast<const G*>(job.grad),
+                                    reinterpret_cast<const float*>(job.exp_avg),
+                                    reinterpret_cast<const float*>(job.exp_avg_sq),
+                                    reinterpret_cast<C*>(job.copy),
+                                    reinterpret_cast<float*>(job.param_out),
+                                    reinterpret_cast<float*>(job.exp_avg_out),
+                                    reinterpret_cast<float*>(job.exp_avg_sq_out)};
         if (job.scalars.l2) {
-          adam_range<V, G, C, true>(buffers, job.scalars, begin, end, job.stream_copy);
+          adam_range<V, G, C, true>(buffers, job.scalars, begin, end, job.stream_copy, job.stream_state);
         } else {
-          adam_range<V, G, C, false>(buffers, job.scalars, begin, end, job.stream_copy);
+          adam_range<V, G, C, false>(buffers, job.scalars, begin, end, job.stream_copy, job.stream_state);
         }
       }
     });
@@ -519,7 +560,7 @@ bool is_known_dtype(DType dtype) {
 void check_arguments(std::uintptr_t param_ptr, std::uintptr_t grad_ptr, DType grad_dtype,
                      std::uintptr_t exp_avg_ptr, std::uintptr_t exp_avg_sq_ptr, int64_t numel,
                      const AdamHyper& hyper, std::uintptr_t out_ptr, DType out_dtype, int num_threads,
-                     CpuIsa isa) {
+                     CpuIsa isa, const AdamTargets& targets) {
   check_buffer("adam_cpu(param)", param_ptr, numel);
   check_buffer("adam_cpu(grad)", grad_ptr, numel);
   check_buffer("adam_cpu(exp_avg)", exp_avg_ptr, numel);
@@ -535,6 +576,13 @@ void check_arguments(std::uintptr_t param_ptr, std::uintptr_t grad_ptr, DType gr
   check_aligned("exp_avg_sq", exp_avg_sq_ptr, 4);
   check_aligned("grad", grad_ptr, grad_dtype == DType::kFloat32 ? 4 : 2);
   check_aligned("out", out_ptr, 2);
+  for (auto [name, ptr] : {std::pair{"param", targets.param}, {"exp_avg", targets.exp_avg},
+                           {"exp_avg_sq", targets.exp_avg_sq}}) {
+    if (ptr != 0) {
+      check_buffer((std::string("adam_cpu(") + name + " target)").c_str(), ptr, numel);
+      check_aligned((std::string(name) + " target").c_str(), ptr, 4);
+    }
+  }
   if (!is_known_dtype(grad_dtype)) {
     throw std::invalid_argument("adam_cpu: unknown grad dtype code " + std::to_string(static_cast<int>(grad_dtype)));
   }
@@ -585,14 +633,31 @@ std::vector<CpuIsa> cpu_supported_isas() {
 
 void adam_cpu(std::uintptr_t param_ptr, std::uintptr_t grad_ptr, DType grad_dtype, std::uintptr_t exp_avg_ptr,
               std::uintptr_t exp_avg_sq_ptr, int64_t numel, const AdamHyper& hyper, std::uintptr_t out_ptr,
-              DType out_dtype, int num_threads, CpuIsa isa) {
+              DType out_dtype, int num_threads, CpuIsa isa, const AdamTargets& targets) {
   check_arguments(param_ptr, grad_ptr, grad_dtype, exp_avg_ptr, exp_avg_sq_ptr, numel, hyper, out_ptr, out_dtype,
-                  num_threads, isa);
+                  num_threads, isa, targets);
   if (numel == 0) {
     return;
   }
-  const AdamJob job{param_ptr,  grad_ptr,  exp_avg_ptr, exp_avg_sq_ptr, out_ptr, grad_dtype, out_dtype,
-                    numel >= kStreamCopyMinElements, make_scalars(hyper)};
+  auto or_in_place = [](std::uintptr_t target, std::uintptr_t input) { return target != 0 ? target : input; };
+  // Stream the new state where all of it goes elsewhere, its three targets equally aligned (one head fits all).
+  const bool stream_state = targets.param != 0 && targets.exp_avg != 0 && targets.exp_avg_sq != 0 &&
+                            numel >= kStreamCopyMinElements &&
+                            targets.param % kLineBytes == targets.exp_avg % kLineBytes &&
+                            targets.param % kLineBytes == targets.exp_avg_sq % kLineBytes;
+  const AdamJob job{param_ptr,
+                    grad_ptr,
+                    exp_avg_ptr,
+                    exp_avg_sq_ptr,
+                    out_ptr,
+                    or_in_place(targets.param, param_ptr),
+                    or_in_place(targets.exp_avg, exp_avg_ptr),
+                    or_in_place(targets.exp_avg_sq, exp_avg_sq_ptr),
+                    grad_dtype,
+                    out_dtype,
+                    numel >= kStreamCopyMinElements,
+                    stream_state,
+                    make_scalars(hyper)};
   const JobRangeFn run_range = job_range_fn(isa == CpuIsa::kBest ? cpu_best_isa() : isa);
 
   const int threads = threads_for(numel, kMinElementsPerThread, num_threads);

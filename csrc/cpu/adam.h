@@ -38,15 +38,25 @@ struct AdamHyper {
   bool decoupled;      // true: AdamW (param *= 1 - lr * weight_decay); false: Adam (grad += weight_decay * param)
 };
 
+// Where a step writes its fp32 results. A zero pointer (the default) means in place, over the input; a non-zero one
+// is a buffer of `numel` elements, disjoint from every input, that receives the new values while the input is only
+// read. An optimizer that may have to redo a step from the same state writes it elsewhere (see [Note: speculative
+// updates] in bmtwrap/optim/speculation.py).
+struct AdamTargets {
+  std::uintptr_t param = 0;
+  std::uintptr_t exp_avg = 0;
+  std::uintptr_t exp_avg_sq = 0;
+};
+
 // One optimizer step over `numel` elements, in one pass over memory. Reads param (fp32 master weights),
 // grad (`grad_dtype`: fp32, fp16 or bf16), exp_avg and exp_avg_sq (fp32); writes param, exp_avg and
-// exp_avg_sq in place and, when out_ptr != 0, the updated param rounded to nearest even into `out_dtype`
+// exp_avg_sq (in place, or at `targets`) and, when out_ptr != 0, the updated param rounded to nearest even into `out_dtype`
 // (fp16 or bf16) at out_ptr. The results are the same bit for bit whatever `isa` and `num_threads` (0 = one
 // thread per hardware thread), and torch.optim.AdamW's (Adam's when !decoupled) up to torch's sqrt (see
 // [Note: matching torch bit for bit] in adam.cpp).
 // Throws std::invalid_argument on a bad argument, including an `isa` the CPU does not support.
 void adam_cpu(std::uintptr_t param_ptr, std::uintptr_t grad_ptr, DType grad_dtype, std::uintptr_t exp_avg_ptr,
               std::uintptr_t exp_avg_sq_ptr, int64_t numel, const AdamHyper& hyper, std::uintptr_t out_ptr,
-              DType out_dtype, int num_threads, CpuIsa isa);
+              DType out_dtype, int num_threads, CpuIsa isa, const AdamTargets& targets = {});
 
 }  // namespace bmtwrap::cpu

@@ -104,6 +104,12 @@ std::uintptr_t at(std::uintptr_t base, int64_t index, int64_t bytes) {
   return base + static_cast<std::uintptr_t>(index * bytes);
 }
 
+// The update's targets from element `start` on (a zero target stays zero: in place).
+AdamTargets chunk_targets(const OffloadUpdate& u, int64_t start) {
+  auto offset = [start](std::uintptr_t ptr) { return ptr != 0 ? at(ptr, start, 4) : 0; };
+  return AdamTargets{offset(u.targets.param), offset(u.targets.exp_avg), offset(u.targets.exp_avg_sq)};
+}
+
 void check_update(const OffloadUpdate& u, const DeviceLink* link, int64_t chunk_numel) {
   for (auto [name, ptr] : {std::pair{"param", u.param}, {"grad", u.grad}, {"master", u.master},
                            {"exp_avg", u.exp_avg}, {"exp_avg_sq", u.exp_avg_sq}}) {
@@ -121,6 +127,16 @@ void check_update(const OffloadUpdate& u, const DeviceLink* link, int64_t chunk_
   }
   if (!own_master && host && u.param_dtype == DType::kFloat32) {
     throw std::invalid_argument("OffloadQueue.submit: a float32 host parameter must be its own master");
+  }
+  if (own_master && (u.targets.param != 0 || u.targets.exp_avg != 0 || u.targets.exp_avg_sq != 0)) {
+    throw std::invalid_argument("OffloadQueue.submit: a parameter that is its own master is updated in place; "
+                                "targets need a separate master");
+  }
+  for (auto [name, ptr] : {std::pair{"master target", u.targets.param}, {"exp_avg target", u.targets.exp_avg},
+                           {"exp_avg_sq target", u.targets.exp_avg_sq}}) {
+    if (ptr != 0) {
+      check_buffer((std::string("OffloadQueue.submit(") + name + ")").c_str(), ptr, u.numel);
+    }
   }
   if (!host) {
     const int64_t numel = std::min(u.numel, chunk_numel);
@@ -273,8 +289,8 @@ bool OffloadQueue::take(bool block, Chunk* chunk) {
   })
                                 : newest_ready();
   // Updates of one buffer run in the order they were submitted: the oldest queued one goes first.
-  const std::uintptr_t master = (*it)->update.master;
-  it = std::find_if(queue.begin(), it, [master](const auto& t) { return t->update.master == master; });
+  const std::uintptr_t key = (*it)->update.order_key();
+  it = std::find_if(queue.begin(), it, [key](const auto& t) { return t->update.order_key() == key; });
   OffloadTask& task = **it;
   chunk->task = *it;
   chunk->start = task.next;
@@ -319,7 +335,7 @@ void OffloadQueue::adam_in_place(const Chunk& chunk) {
   adam_cpu(at(u.master, chunk.start, 4), at(u.grad, chunk.start, element_bytes(u.grad_dtype)), u.grad_dtype,
            at(u.exp_avg, chunk.start, 4), at(u.exp_avg_sq, chunk.start, 4), chunk.end - chunk.start, u.hyper,
            own_master ? 0 : at(u.param, chunk.start, element_bytes(u.param_dtype)), u.param_dtype, num_threads_,
-           CpuIsa::kBest);
+           CpuIsa::kBest, chunk_targets(u, chunk.start));
 }
 
 void OffloadQueue::run_host() {
@@ -391,11 +407,11 @@ void OffloadQueue::run_device() {
         Timer timer(adam_ns_);
         adam_cpu(at(u.master, chunk.start, 4), grad, u.grad_dtype, at(u.exp_avg, chunk.start, 4),
                  at(u.exp_avg_sq, chunk.start, 4), n, u.hyper, rounded ? link.slot_out(chunk.slot) : 0,
-                 u.param_dtype, num_threads_, CpuIsa::kBest);
+                 u.param_dtype, num_threads_, CpuIsa::kBest, chunk_targets(u, chunk.start));
       }
       elements_ += n;
       const int64_t bytes = element_bytes(u.param_dtype);
-      link.put(chunk.slot, rounded ? link.slot_out(chunk.slot) : at(u.master, chunk.start, 4),
+      link.put(chunk.slot, rounded ? link.slot_out(chunk.slot) : at(u.master_out(), chunk.start, 4),
                at(u.param, chunk.start, bytes), n * bytes);
       staged.pop_front();
       if ((chunk.task->left -= n) == 0) {

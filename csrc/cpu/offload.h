@@ -36,6 +36,16 @@ struct OffloadUpdate {
   // Only grad is host memory: the submitting stream copied it there from the device, so the worker reads it once
   // `ready` is reached instead of fetching it; the new parameter goes back through a staging slot as usual.
   bool grad_on_host = false;
+  // Where the new master and moments go: in place by default; elsewhere when the update may have to be redone
+  // from the same state (fp32 host memory of numel elements each, disjoint from the inputs).
+  AdamTargets targets;
+  // Updates with the same key run in the order they were submitted (0: the master's address). Updates that
+  // alternate between two sets of state buffers share one key.
+  std::uintptr_t order = 0;
+
+  std::uintptr_t order_key() const { return order != 0 ? order : master; }
+  // The address the new master is written to.
+  std::uintptr_t master_out() const { return targets.param != 0 ? targets.param : master; }
 };
 
 // The copies between one GPU and pinned host staging; implemented with CUDA in cuda/offload_link.cu. The
