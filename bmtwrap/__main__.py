@@ -28,6 +28,7 @@ activations are an estimate of a transformer's peak (give --batch-size and --seq
 EXAMPLES = """\
 examples:
   python -m bmtwrap plan ./Llama-3.2-1B --world-size 8 --batch-size 2 --seq-len 4096
+  python -m bmtwrap plan ./Llama-3-8B --max-gpu-memory H100 --batch-size 4 --seq-len 2048
   python -m bmtwrap plan config.json --world-size 1 --offload --batch-size 4 --seq-len 2048
   python -m bmtwrap plan ./Llama-3-8B --offload --offload-params --checkpoint true
   python -m bmtwrap plan ./bart-large --model-class BartForCausalLM"""
@@ -160,16 +161,23 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-checkpoint", action="store_true", help="the same as --checkpoint false")
     plan.add_argument("--no-compile", action="store_true",
                       help="plan eager blocks, as wrap(compile=False) (default: compiled, as wrap runs them on a GPU)")
-    plan.add_argument("--max-gpu-memory", metavar="SIZE",
-                      help="a GPU memory budget per rank, as wrap(max_gpu_memory=...), e.g. 24GiB: with --checkpoint "
-                           "auto and a batch shape, the blocks whose activations fit are planned kept, and the plan "
-                           "says whether it fits")
-    plan.add_argument("--offload", action="store_true",
-                      help="plan for AdamOffloadOptimizer: optimizer state in host memory")
-    plan.add_argument("--offload-fraction", type=float, default=1.0,
-                      help="with --offload: the share of the optimizer state on the host (default 1.0)")
-    plan.add_argument("--step-in-backward", action="store_true",
-                      help="with --offload: the optimizer steps in backward (step_in_backward=True)")
+    plan.add_argument("--max-gpu-memory", metavar="SIZE|CARD",
+                      help="the GPU memory per rank: a card (H100, H200, A100-80GB, A100-40GB) or a budget as "
+                           "wrap(max_gpu_memory=...), e.g. 24GiB. With a batch shape, the optimizer state that fits "
+                           "is planned on the GPU and the rest on the host (what bmtwrap.optim.auto_adam decides at "
+                           "its first step), then with --checkpoint auto the blocks whose activations fit are planned "
+                           "kept; the plan says whether it fits")
+    plan.add_argument("--optimizer", default="auto", choices=["auto", "adam", "offload"],
+                      help="auto (default): what bmtwrap.optim.auto_adam builds, decided for --max-gpu-memory (without "
+                           "it: all state on the GPU); adam: AdamOptimizer, all on the GPU; offload: "
+                           "AdamOffloadOptimizer with --offload-fraction")
+    plan.add_argument("--offload", action="store_true", help="the same as --optimizer offload")
+    plan.add_argument("--offload-fraction", default="1.0",
+                      help="with --optimizer offload: the share of the optimizer state on the host (default 1.0), or "
+                           "auto (decided for --max-gpu-memory)")
+    plan.add_argument("--step-in-backward", nargs="?", const="true", default="auto", choices=["auto", "true", "false"],
+                      help="the offload optimizer's step_in_backward: other than false, gradients of the state on "
+                           "the host leave the GPU as backward makes them (default auto, as on a GPU)")
     plan.add_argument("--offload-params", nargs="?", const="true", default="auto", choices=["true", "false", "auto"],
                       help="as wrap(offload_params=...): block parameters and gradients in host memory; auto "
                            "(default) decides from --max-gpu-memory as wrap does (without it: false)")
@@ -191,10 +199,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise SystemExit(f"--shard-size {args.shard_size} must divide --world-size {args.world_size}")
     if (args.batch_size is None) != (args.seq_len is None):
         raise SystemExit("give --batch-size and --seq-len together (the activation estimate needs both)")
-    if args.offload_fraction != 1.0 and not args.offload:
-        raise SystemExit("--offload-fraction applies to --offload; add --offload")
-    if args.step_in_backward and not args.offload:
-        raise SystemExit("--step-in-backward applies to --offload; add --offload")
+    optimizer = "offload" if args.offload else args.optimizer
+    try:
+        fraction = "auto" if args.offload_fraction == "auto" else float(args.offload_fraction)
+    except ValueError:
+        raise SystemExit(f"--offload-fraction must be a number in [0, 1] or auto, got {args.offload_fraction!r}")
+    if fraction != 1.0 and optimizer != "offload":
+        raise SystemExit("--offload-fraction applies to --optimizer offload; add it")
     budget = None
     if args.max_gpu_memory is not None:
         try:
@@ -209,8 +220,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(chosen)
     checkpoint = {"true": True, "false": False, "auto": "auto"}["false" if args.no_checkpoint else args.checkpoint]
     print(make_plan(model, world_size=args.world_size, checkpoint=checkpoint, batch_size=args.batch_size,
-                    seq_len=args.seq_len, offload_optimizer=args.offload, offload_fraction=args.offload_fraction,
-                    step_in_backward=args.step_in_backward,
+                    seq_len=args.seq_len, offload_optimizer={"auto": "auto", "adam": False, "offload": True}[optimizer],
+                    offload_fraction=fraction,
+                    step_in_backward={"true": True, "false": False}.get(args.step_in_backward, "auto"),
                     offload_params={"true": True, "false": False}.get(args.offload_params, "auto"),
                     ranks_per_host=args.ranks_per_host, max_gpu_memory=budget, compile=not args.no_compile,
                     shard_size=args.shard_size or args.world_size))

@@ -53,7 +53,7 @@ from .checkpoint import load_checkpoint, save, save_checkpoint, save_pretrained
 from .checkpoint.sharded_format import INDEX
 from .engine.full_state import full_state_dict
 from .optim import AdamOffloadOptimizer, AdamOptimizer, auto_adam
-from .optim.optim_manager import grad_norm
+from .optim.optim_manager import clip_grads_with_norm, grad_norm
 from .wrap import wrap
 from .wrap.convert import wrapped_record
 
@@ -273,10 +273,12 @@ class _ShardedAccelerator(Accelerator):
                         norm_type: float = 2) -> torch.Tensor:
         # Each rank holds a shard of every gradient: the norm is over all of them
         # (torch.nn.utils.clip_grad_norm_ would clip each rank by its own shard's norm).
-        params = [p for p in parameters if p.grad is not None]
+        # bmtwrap's optimizers apply the coefficient as they read the gradients (an offload optimizer may have
+        # taken some off .grad already in backward): see clip_grads_with_norm.
+        params = list(parameters)
         total = grad_norm(params, norm_type)
         if not math.isinf(max_norm):
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+            clip_grads_with_norm(params, max_norm, total, [_inner_optimizer(o) for o in self._optimizers])
         return total
 
 

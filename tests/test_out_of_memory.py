@@ -37,11 +37,11 @@ def test_sizes_format():
     assert format_bytes(24 * GIB) == "24.0 GiB" and format_bytes(512 * 2**20) == "512 MiB"
 
 
-def _train(monkeypatch, gauge, steps=3, **options):
+def _train(monkeypatch, gauge, steps=3, optimizer=None, **options):
     monkeypatch.setattr(auto, "gauge_for", lambda device: gauge)
     model = bmt.wrap(tiny_llama(num_hidden_layers=4), checkpoint="auto", **options)
     record = bmt.engine.schedule.engine().wrapped_record(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    optimizer = (optimizer or (lambda params: torch.optim.SGD(params, lr=1e-3)))(model.parameters())
     ids = torch.randint(0, 64, (2, 8))
     kept = []
     for _ in range(steps):
@@ -131,6 +131,16 @@ def test_a_kept_block_out_of_memory_recovers_on_every_rank(world, tmp_path):
 
 def test_a_budget_below_the_checkpointed_step_is_named(monkeypatch):
     with pytest.warns(RuntimeWarning, match=r"predicted to take 21.0 GiB of this GPU, above max_gpu_memory=20.0 GiB "
-                                            r"less its margin \(19.2 GiB\); to stay under it, offload"):
+                                            r"less its margin \(19.2 GiB\); to stay under it, keep the optimizer's "
+                                            r"state where it fits \(bmtwrap.optim.auto_adam\), offload the blocks' "
+                                            r"parameters \(wrap\(model, offload_params=True\)\), or lower"):
         kept, _ = _train(monkeypatch, FakeGauge(card=80), max_gpu_memory="20GiB")
     assert kept[-1] == [False] * 4
+
+
+def test_the_warning_names_only_what_is_not_offloaded_yet(monkeypatch):
+    """With the optimizer's state all on the host already, the warning does not advise moving it there."""
+    with pytest.warns(RuntimeWarning, match=r"to stay under it, offload the blocks' parameters \(wrap\(model, "
+                                            r"offload_params=True\)\), or lower the per-GPU batch"):
+        _train(monkeypatch, FakeGauge(card=80), max_gpu_memory="20GiB",
+               optimizer=lambda params: bmt.optim.AdamOffloadOptimizer(params, lr=1e-3, offload_fraction=1.0))

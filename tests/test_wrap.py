@@ -256,7 +256,8 @@ def test_plan_lists_blocks_and_memory():
 
 def test_plan_with_offload_moves_state_to_the_host():
     on_gpu = bmt.plan(tiny_llama(), world_size=2)
-    offload = bmt.plan(tiny_llama(), world_size=2, offload_optimizer=True)
+    # Updates after backward: the gradients of the state on the host wait on the GPU.
+    offload = bmt.plan(tiny_llama(), world_size=2, offload_optimizer=True, step_in_backward=False)
     both = bmt.plan(tiny_llama(), world_size=2, offload_optimizer=True, offload_params=True)
     assert offload.memory.optimizer == 0
     assert dict(offload.memory.host_detail)["optimizer state"] == on_gpu.memory.optimizer
@@ -264,13 +265,15 @@ def test_plan_with_offload_moves_state_to_the_host():
     root_shards = offload.root.shard_bytes
     assert both.memory.params == root_shards and both.memory.grads == root_shards  # blocks' shards on the host
     assert dict(both.memory.host_detail)["parameters and gradients"] >= 2 * sum(b.shard_bytes for b in both.blocks)
-    # Stepping in backward, a gradient shard whose state is on the host leaves the GPU once final: one at a time.
-    in_backward = bmt.plan(tiny_llama(), world_size=2, offload_optimizer=True, step_in_backward=True)
-    assert in_backward.memory.grads == max(g.shard_bytes for g in (in_backward.root, *in_backward.blocks))
-    assert in_backward.memory.grads < offload.memory.grads == on_gpu.memory.grads
+    # Starting the updates in backward (the default, or unchecked), a gradient shard whose state is on the host
+    # leaves the GPU once final: one at a time.
+    for mode in ("auto", "speculative", True):
+        in_backward = bmt.plan(tiny_llama(), world_size=2, offload_optimizer=True, step_in_backward=mode)
+        assert in_backward.memory.grads == max(g.shard_bytes for g in (in_backward.root, *in_backward.blocks))
+        assert in_backward.memory.grads < offload.memory.grads == on_gpu.memory.grads
     half = bmt.plan(tiny_llama(), world_size=2, offload_optimizer=True, offload_fraction=0.5)
     assert 0 < half.memory.optimizer < on_gpu.memory.optimizer
-    with pytest.raises(ValueError, match="offload_fraction must be in \\[0, 1\\], got 1.5"):
+    with pytest.raises(ValueError, match="offload_fraction must be 'auto' or in \\[0, 1\\], got 1.5"):
         bmt.plan(tiny_llama(), offload_fraction=1.5)
 
 
@@ -376,13 +379,19 @@ def test_plan_command_options(tmp_path, capsys):
     assert "offloaded to the host: optimizer state (100%), block parameters" in out
     assert "GPU memory per rank (estimate)" in out and "host memory per host (2 rank(s))" in out
     assert "ckpt" in out and " no" in out.splitlines()[4]  # the first block (after the class, title, header, root)
+    # A card by name: the optimizer's share on it, as auto_adam decides.
+    main(["plan", str(tmp_path), "--max-gpu-memory", "H100", "--batch-size", "2", "--seq-len", "16"])
+    assert "optimizer: auto_adam's choice for 79.18 GiB: the state of 100% of the parameters on the GPU" in \
+        capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["plan", "--help"])
     help_text = capsys.readouterr().out
     assert "--offload-params" in help_text and "--batch-size" in help_text
     assert "``" not in help_text and ":func:" not in help_text, "reStructuredText in --help"
     for argv, message in ((["--batch-size", "2"], "give --batch-size and --seq-len together"),
-                          (["--offload-fraction", "0.5"], "--offload-fraction applies to --offload"),
+                          (["--offload-fraction", "0.5"], "--offload-fraction applies to --optimizer offload"),
+                          (["--offload", "--offload-fraction", "half"], "--offload-fraction must be a number in "
+                                                                         "\\[0, 1\\] or auto, got 'half'"),
                           (["--world-size", "0"], "--world-size must be >= 1, got 0")):
         with pytest.raises(SystemExit, match=message):
             main(["plan", str(tmp_path), *argv])

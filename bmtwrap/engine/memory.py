@@ -17,7 +17,7 @@ from typing import Optional, Protocol, Union
 
 import torch
 
-__all__ = ["MARGIN", "CudaGauge", "cap_allocator", "ceiling_bytes", "Gauge", "format_bytes", "gauge_for",
+__all__ = ["CARDS", "MARGIN", "CudaGauge", "cap_allocator", "ceiling_bytes", "Gauge", "format_bytes", "gauge_for",
            "margin_bytes", "out_of_memory_advice", "outside_allocator_estimate", "parse_bytes"]
 
 # Share of the card checkpoint="auto" leaves unplanned (at least MIN_MARGIN): what varies between steps
@@ -28,19 +28,31 @@ MIN_MARGIN = 512 * 2**20
 # (1.45 GiB against 1.3 for one process): kept out of the allocator's cap under a budget (cap_allocator).
 CAP_SLACK = 256 * 2**20
 
+# Cards by name, with the memory torch reports for them (torch.cuda.get_device_properties(...).total_memory):
+# plans for a card (python -m bmtwrap plan --max-gpu-memory H100) and budgets the size of one.
+CARDS = {
+    "h100": 85_017_493_504,  # H100 80GB HBM3 (SXM): 79.18 GiB
+    "h200": 150_110_011_392,  # H200 141GB HBM3e: 139.8 GiB
+    "a100-80gb": 84_987_740_160,  # A100 80GB: 79.15 GiB
+    "a100-40gb": 42_298_834_944,  # A100 40GB: 39.39 GiB
+}
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_bytes(value: Union[int, float, str], *, name: str = "max_gpu_memory") -> int:
-    """``"24GiB"``, ``"80GB"``, ``"512MiB"`` or a number of bytes → bytes (``name`` for the error).
+    """``"24GiB"``, ``"80GB"``, ``"512MiB"``, a number of bytes, or the name of a card in ``CARDS`` (``"H100"``:
+    its memory as torch reports it) → bytes (``name`` for the error).
 
     Raises:
-        ValueError: not a positive size, or a unit other than B, kB/MB/GB/TB, KiB/MiB/GiB/TiB.
+        ValueError: not a positive size, a unit other than B, kB/MB/GB/TB, KiB/MiB/GiB/TiB, or an unknown card.
     """
     if isinstance(value, bool):
         raise ValueError(f"{name} must be a size such as '24GiB' or a number of bytes, got {value!r}")
+    if isinstance(value, str) and value.strip().lower() in CARDS:
+        return CARDS[value.strip().lower()]
     if isinstance(value, (int, float)):
         nbytes = value
     elif isinstance(value, str):
@@ -48,7 +60,7 @@ def parse_bytes(value: Union[int, float, str], *, name: str = "max_gpu_memory") 
         unit = match.group(2).lower() if match else ""
         if match is None or unit not in _UNITS:
             raise ValueError(f"{name} must be a size such as '24GiB', '80GB' or '512MiB' (units B, kB, MB, GB, TB, "
-                             f"KiB, MiB, GiB, TiB), got {value!r}")
+                             f"KiB, MiB, GiB, TiB) or a card ({', '.join(sorted(CARDS))}), got {value!r}")
         nbytes = float(match.group(1)) * _UNITS[unit]
     else:
         raise ValueError(f"{name} must be a size such as '24GiB' or a number of bytes, got {type(value).__name__}")

@@ -221,30 +221,22 @@ class Engine:
         self._step_hook: Optional[Any] = None  # the handle of install_step_check's hook
         self.optimizer_steps = 0  # optimizer steps taken in this process, once a step listener asked to count them
         self._step_counter: Optional[Any] = None
-        # GPU memory for the automatic choices (see [Note: who gets the GPU memory left]).
+        # GPU memory for the automatic choices (see [Note: who gets the GPU memory left] in engine/placement.py).
         self._gpu_claims: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
         self.max_gpu_memory: Optional[int] = None  # the budget wrap(max_gpu_memory=...) set, in bytes
         self.allocator_cap: Optional[int] = None  # what memory.cap_allocator holds torch's allocator to, under it
         self.passes_done = 0  # backward passes finished: the step running is number passes_done + 1
         # Told when a forward with autograd starts (outermost root) and when a backward ends (weak).
         self._step_listeners: List[Tuple[Any, ...]] = []  # (root, forward_starts, backward_ends), all weak
+        # Told when any model's outermost forward starts, with or without autograd (weak).
+        self._forward_listeners: List["weakref.WeakMethod[Callable[[bool], None]]"] = []
+        # Optimizers whose state may live in host memory (see offload_optimizers).
+        self._offloaders: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
     def claim_gpu_memory(self, owner: Any, nbytes: int) -> None:
         """``owner`` (an optimizer with ``offload_fraction="auto"``) would use up to ``nbytes`` of the GPU
         memory training leaves free; ``checkpoint="auto"`` keeps activations only in what remains.
-
-        [Note: who gets the GPU memory left]
-        Two automatic choices spend the GPU memory that the first step leaves unused: the offload
-        optimizer's ``offload_fraction="auto"`` moves optimizer state there, and ``checkpoint="auto"``
-        keeps blocks' activations instead of recomputing them. The state comes first: a GiB of it
-        spares the CPU update of 89 M elements (about 20 ms of a CPU's step), a GiB of kept
-        activations spares a fraction of one block's forward (a few ms), and the CPU update is the
-        slower side of an offloaded step. So the optimizer claims the bytes of all its state when it
-        is built and settles during or after the first step, and ``checkpoint="auto"`` decides only at
-        the first forward after an optimizer step (``wrap/auto.py``): it measures the state the
-        optimizer made, and keeps activations only in the memory beyond any claim still open. Once
-        settled, the optimizer claims only the state it decided to keep on the GPU but has not made
-        yet, and withdraws the claim at the end of the first step (or with the optimizer).
+        See [Note: who gets the GPU memory left] in ``bmtwrap/engine/placement.py``.
         """
         if nbytes > 0:
             self._gpu_claims[owner] = nbytes
@@ -264,6 +256,20 @@ class Engine:
                                      weakref.WeakMethod(backward_ends)))
         if self._step_counter is None:  # counts the steps of every torch optimizer (bmtwrap's too): optimizer_steps
             self._step_counter = register_optimizer_step_post_hook(self._count_optimizer_step)
+
+    def listen_for_forward_starts(self, method: Callable[[bool], None]) -> None:
+        """Call the bound ``method(with_grad)`` whenever the outermost forward of any wrapped model or block starts,
+        before it gathers anything; ``with_grad``: autograd records it. Held weakly."""
+        self._forward_listeners.append(weakref.WeakMethod(method))
+
+    def add_offload_optimizer(self, optimizer: Any) -> None:
+        """Remember ``optimizer`` (held weakly): its ``offload_fraction`` is the share of its state in host memory,
+        and ``handed(param)`` what it took off ``param.grad`` in this step's backward (readers of gradients ask)."""
+        self._offloaders.add(optimizer)
+
+    def offload_optimizers(self) -> List[Any]:
+        """The live optimizers given to :meth:`add_offload_optimizer`."""
+        return list(self._offloaders)
 
     def _count_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.optimizer_steps += 1
@@ -344,6 +350,8 @@ class Engine:
         begins a new execution order (a root entered inside it belongs to a model it calls)."""
         assert self.may_enter_root(root), f"rank {self.ctx.rank}: a root entered where it may not"
         outermost = not self._active_roots
+        if outermost and self._block_depth == 0:
+            self._forward_starts()
         if outermost and torch.is_grad_enabled():
             self._tell(1, [root])
         if outermost:
@@ -370,7 +378,12 @@ class Engine:
 
     def enter_block(self) -> None:
         """A block's module starts running (FORWARD until the matching :meth:`leave_block`)."""
+        if not self._active_roots and self._block_depth == 0 and not in_backward():
+            self._forward_starts()  # a block called from the program itself (BMTrain's models have no root)
         self._block_depth += 1
+
+    def _forward_starts(self) -> None:
+        _call_weak(self._forward_listeners, torch.is_grad_enabled())
 
     def leave_block(self) -> None:
         assert self._block_depth > 0, f"rank {self.ctx.rank}: a block left more often than blocks entered"
@@ -505,12 +518,7 @@ class Engine:
         if reduction.buffer.offloaded:
             self._host_grads[id(reduction.buffer)] = reduction.buffer
         if final:
-            for listener in list(self._grad_listeners):
-                method = listener()
-                if method is None:
-                    self._grad_listeners.remove(listener)
-                else:
-                    method(reduction.buffer)
+            _call_weak(self._grad_listeners, reduction.buffer)
 
     def listen_for_final_grads(self, method: Callable[[FlatBuffer], None]) -> None:
         """Call the bound ``method(buffer)`` whenever a buffer's gradient shard is final for this backward.
@@ -567,6 +575,16 @@ class Engine:
         buffers, self._host_grads = self._host_grads, {}
         for buffer in buffers.values():
             buffer.wait_grads()
+
+
+def _call_weak(listeners: List["weakref.WeakMethod[Callable[..., None]]"], *args: Any) -> None:
+    """Call each live bound method of ``listeners`` with ``args``; drop the dead ones."""
+    for listener in list(listeners):
+        method = listener()
+        if method is None:
+            listeners.remove(listener)
+        else:
+            method(*args)
 
 
 def engine(ctx: Optional[DistContext] = None) -> Engine:

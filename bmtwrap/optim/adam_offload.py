@@ -10,20 +10,23 @@ import torch
 
 from .. import ops
 from ..engine.dist import agree_max, is_initialized
-from ..engine.memory import MIN_MARGIN, CudaGauge, ceiling_bytes
+from ..engine.memory import MIN_MARGIN, ceiling_bytes, gauge_for
 from ..engine.group import ROOT_LABEL
 from ..engine.offload import (DEFAULT_CHUNK_NUMEL, DEFAULT_SLOTS, adam_state_bytes, expandable_segments,
-                              host_available_bytes, host_empty, host_zeros)
+                              host_available_bytes, host_zeros)
 from ..engine.schedule import engine
 from .adam_state import _AdamBase, _offload_policy, _update_in_place
 from .nonfinite import NonFiniteGradientError
+from .overlap import BackwardOverlap
+from ..engine import placement
+from ..engine.placement import (HOST_MARGIN, HOST_MIN_MARGIN, Candidate, GradsOnGpu, Measured, kept_on_gpu,
+                                speculation_share)
 
-__all__ = ["AdamOffloadOptimizer"]
+__all__ = ["AdamOffloadOptimizer", "STEP_IN_BACKWARD"]
 
-# offload_fraction="auto" leaves this share of the GPU free (see [Note: automatic offload fraction]), and
-# this much more where the allocator's segments are of fixed size (fragmentation strands memory there).
-AUTO_HEADROOM = 0.08
-FIXED_SEGMENTS_HEADROOM = 0.04
+# What step_in_backward takes (see AdamOffloadOptimizer).
+STEP_IN_BACKWARD = (False, True, "speculative", "auto")
+
 
 
 def _check_host_room(needed: int, available: Optional[int], on_gpu: int) -> None:
@@ -49,7 +52,7 @@ def default_cpu_threads() -> int:
     return max(1, max(torch.get_num_threads(), share) - 1)
 
 
-class AdamOffloadOptimizer(_AdamBase):
+class AdamOffloadOptimizer(BackwardOverlap, _AdamBase):
     """Adam(W) whose fp32 master and moments live in CPU memory.
 
     Each step copies gradient shards to the CPU through a bounded ring of pinned staging buffers,
@@ -58,19 +61,31 @@ class AdamOffloadOptimizer(_AdamBase):
     [Note: offload queue] in ``csrc/cpu/offload.cpp``). The GPU keeps only the parameters (and,
     until they are copied, the gradients).
 
-    By default ``step()`` queues the work and returns; the next forward waits, block by block,
-    only for the parameters it gathers, so the CPU update overlaps that forward.
+    ``step()`` queues the work and returns; the next forward waits, block by block, only for the
+    parameters it gathers, so the CPU update overlaps that forward. When the CPU's update starts is
+    ``step_in_backward``'s choice:
 
-    With ``step_in_backward=True`` each block's update starts during backward, as soon as its
-    gradient shard is final, so the CPU works while the GPU computes the rest of backward; the
-    gradient is copied to page-locked host memory on a side stream at once, so its GPU memory is
-    freed while it waits for the CPU (the host memory is reused step after step, and grows to the
-    most gradients waiting at once); ``step()`` then updates what is left (the parameters
-    outside blocks, whose gradients complete with backward) and puts the remaining work in the
-    order the next forward needs it. That requires every backward to be one optimizer step with
-    the hyper-parameters of the moment: no gradient accumulation over several backward passes,
-    no gradient clipping and no loss scaling (the manager refuses both), and ``.grad`` of the
-    updated parameters is ``None`` after backward.
+    - ``"auto"`` (default): ``"speculative"`` on a GPU, ``False`` on a machine without one (nothing
+      to overlap with).
+    - ``"speculative"``: during backward, as soon as a block's gradient shard is final, it is copied
+      to page-locked host memory on a side stream (its GPU memory is free at once; its norm and an
+      inf/nan flag are taken there, for clipping and the checks) and its update starts, into a second
+      set of host state, assuming the step will apply the gradient as it is. ``step()`` keeps the
+      updates where that held (no clipping coefficient or loss scale below 1, this backward the last
+      before it, finite gradients, the same hyper-parameters) and redoes the others from the state they
+      started from; a forward or ``zero_grad()`` before ``step()`` undoes them. The parameters come out
+      bit for bit as with ``False``, and gradient clipping, accumulation, loss scaling and
+      ``nonfinite="skip"`` all work. The second set of state is made only for the share that fits in
+      host memory (see [Note: speculative updates] in ``bmtwrap/engine/placement.py``); the rest is
+      updated after backward. ``.grad`` of the parameters handed over is ``None`` after backward:
+      read norms through :func:`bmtwrap.optim.optim_manager.grad_norm` (the manager, ``bmtwrap.hf``
+      and the examples do).
+    - ``False``: every update starts at ``step()``.
+    - ``True``: each block is updated during backward, in place, with the gradient as it is. That
+      requires every backward to be one optimizer step with the hyper-parameters of the moment: no
+      gradient accumulation, no gradient clipping and no loss scaling (the manager refuses both), and
+      a non-finite gradient damages the weights before ``step()`` can refuse it; ``"speculative"`` has
+      none of these limits.
 
     Args:
         params: as :class:`AdamOptimizer`.
@@ -80,8 +95,9 @@ class AdamOffloadOptimizer(_AdamBase):
         weight_decay: as :class:`AdamOptimizer`.
         decoupled: as :class:`AdamOptimizer`.
         master_dtype: as :class:`AdamOptimizer`.
-        step_in_backward: start each block's update during backward (see above); needs a
-            distributed context (``bmtwrap.init_distributed()``).
+        step_in_backward: ``"auto"`` (default), ``"speculative"``, ``False`` or ``True`` (see above);
+            all but ``False`` need a distributed context (``bmtwrap.init_distributed()``), which tells
+            when each block's gradient is final (``"auto"`` is ``False`` without one).
         chunk_numel: elements per pipelined chunk.
         staging_slots: pinned staging buffers; pinned memory is ``staging_slots * chunk_numel *
             (gradient + parameter bytes)``.
@@ -97,46 +113,52 @@ class AdamOffloadOptimizer(_AdamBase):
             first (the parameters outside blocks, then the first blocks): their CPU updates are
             the last of a step's backward and the first its next forward waits for. Parameters
             offloaded by ``wrap(offload_params=True)`` are always updated on the CPU. ``"auto"``:
-            the state that fits in the GPU memory the first step leaves unused (keeping
-            ``AUTO_HEADROOM`` of the card free, and turning on the allocator's expandable segments
-            unless ``PYTORCH_ALLOC_CONF`` is set) stays on the GPU, the first-needed first; with
-            ``step_in_backward`` it is decided during the first backward and that state is never
-            made on the host, otherwise it moves there after the first step (see [Note: automatic
-            offload fraction]); :attr:`offload_fraction` then tells the share left on the CPU. On a
-            machine without a GPU, ``"auto"`` is 1.
+            the state that fits on the GPU, decided at the first ``step()`` before any state exists
+            from what that step's forward and backward measured, keeping ``placement.AUTO_HEADROOM`` of the card
+            free (and turning on the allocator's expandable segments unless ``PYTORCH_ALLOC_CONF`` is
+            set); every rank keeps the same share (see [Note: automatic offload fraction] in
+            ``bmtwrap/engine/placement.py``). :attr:`offload_fraction` then tells the share left on the
+            CPU, :attr:`auto_report` what the decision saw. On a machine without a GPU, ``"auto"`` is 1.
         hold_steps: as :class:`AdamOptimizer`.
         nonfinite: as :class:`AdamOptimizer`. With ``step_in_backward=True`` a block is updated
             before the rest of the gradient exists: its gradient is checked on the GPU as it is
             handed over, and ``step()`` raises afterwards if any was not finite (the weights are
-            then damaged: reload the last checkpoint); ``"skip"`` needs ``step_in_backward=False``,
+            then damaged: reload the last checkpoint); ``"skip"`` needs another ``step_in_backward``,
             and blocks offloaded by ``wrap(offload_params=True)`` are not checked in that mode.
 
     Raises:
-        ValueError, TypeError: as :class:`AdamOptimizer`; ``step_in_backward`` without a
-            distributed context; ``offload_fraction`` neither ``"auto"`` nor in [0, 1], or below 1
-            with no parameter on a GPU.
+        ValueError, TypeError: as :class:`AdamOptimizer`; a ``step_in_backward`` other than those
+            above, or ``True`` or ``"speculative"`` without a distributed context; ``offload_fraction``
+            neither ``"auto"`` nor in [0, 1], or below 1 with no parameter on a GPU.
+        MemoryError: at the first step, when the host has less memory available than the state it
+            must hold (the GPU's share told apart).
 
     Example::
 
-        optimizer = bmt.optim.AdamOffloadOptimizer(model.parameters(), lr=1e-4, step_in_backward=True)
+        optimizer = bmt.optim.AdamOffloadOptimizer(model.parameters(), lr=1e-4, offload_fraction="auto")
         for batch in data:
-            model(**batch).loss.backward()   # blocks are updated on the CPU while backward runs
+            model(**batch).loss.backward()   # blocks start their CPU updates while backward runs
             optimizer.step()
             optimizer.zero_grad()
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, decoupled: bool = True,
-                 master_dtype: torch.dtype = torch.float32, step_in_backward: bool = False,
+                 master_dtype: torch.dtype = torch.float32, step_in_backward: Union[bool, str] = "auto",
                  chunk_numel: int = DEFAULT_CHUNK_NUMEL, staging_slots: int = DEFAULT_SLOTS,
                  cpu_threads: Optional[int] = None, offload_fraction: Union[float, str] = 1.0, hold_steps: int = 0,
                  nonfinite: str = "raise") -> None:
+        if not any(step_in_backward is mode or (isinstance(mode, str) and step_in_backward == mode)
+                   for mode in STEP_IN_BACKWARD):
+            raise ValueError(f"AdamOffloadOptimizer: step_in_backward must be one of "
+                             f"{', '.join(map(repr, STEP_IN_BACKWARD))}, got {step_in_backward!r}")
         self._auto_fraction = offload_fraction == "auto"
         if self._auto_fraction:
             offload_fraction = 1.0  # until the first step has shown how much memory is left
         elif isinstance(offload_fraction, str) or not 0.0 <= offload_fraction <= 1.0:
-            raise ValueError(f"AdamOffloadOptimizer: offload_fraction must be 'auto' or in [0, 1], got {offload_fraction!r}")
-        if step_in_backward and nonfinite == "skip":
+            raise ValueError(f"AdamOffloadOptimizer: offload_fraction must be 'auto' or in [0, 1], "
+                             f"got {offload_fraction!r}")
+        if step_in_backward is True and nonfinite == "skip":
             raise ValueError("AdamOffloadOptimizer(step_in_backward=True) updates each block during backward, before "
                              "the whole gradient is known, so it cannot skip a step; use step_in_backward=False with "
                              "nonfinite='skip'")
@@ -151,8 +173,17 @@ class AdamOffloadOptimizer(_AdamBase):
             # Parameters offloaded to the host by wrap(offload_params=True) get their gradients from
             # the device the model computes on: the queue orders its reads after those copies.
             device = engine().ctx.device
+        if step_in_backward == "auto":
+            step_in_backward = "speculative" if device.type == "cuda" and is_initialized() else False
+        if step_in_backward in (True, "speculative") and not is_initialized():
+            raise ValueError(f"AdamOffloadOptimizer(step_in_backward={step_in_backward!r}) needs "
+                             "bmtwrap.init_distributed() first: the engine tells it when each block's gradient is "
+                             "final")
         if cpu_threads is None and device.type == "cuda":
             cpu_threads = default_cpu_threads()
+        # The device the model computes on, and its memory (None on the CPU): what offload_fraction="auto" reads.
+        self._device = device
+        self._gauge = gauge_for(device)
         dtypes = {p.dtype for p in all_params}
         self._offload = ops.OffloadQueue(device, dtypes=dtypes, chunk_numel=chunk_numel, slots=staging_slots,
                                          num_threads=cpu_threads)
@@ -160,12 +191,18 @@ class AdamOffloadOptimizer(_AdamBase):
         # the optimizer's own order, which is the model's.
         self._priority: Dict[int, int] = {}
         self._group_of: Dict[int, Dict[str, Any]] = {}
+        self._in_block: Dict[int, bool] = {}
+        # Each parameter's key in the queue: its updates run in the order they were submitted, whichever of its
+        # two sets of state they read (see BackwardOverlap).
+        self._order: Dict[int, int] = {}
         for group in self.param_groups:
             for p in group["params"]:
                 found = registry.lookup(p) if registry is not None else None
                 outside = found is None or found[0].label.startswith(ROOT_LABEL)
                 self._priority[id(p)] = len(self._priority) - (1 << 40 if outside else 0)
                 self._group_of[id(p)] = group
+                self._in_block[id(p)] = not outside
+                self._order[id(p)] = len(self._order) + 1
         self._on_gpu = self._kept_on_gpu(offload_fraction)
         # offload_fraction="auto" fills the card: with expandable segments, fragmentation cannot strand the room left.
         self._expandable = self._auto_fraction and any(p.is_cuda for p in all_params) and expandable_segments()
@@ -175,14 +212,31 @@ class AdamOffloadOptimizer(_AdamBase):
         self.offload_fraction = offload_fraction  # the share of the elements whose state is on the CPU
         # offload_fraction="auto": what the decision saw and chose (set once it is made).
         self.auto_report: Optional[Dict[str, Any]] = None
-        self.step_in_backward = step_in_backward
+        self.step_in_backward = step_in_backward is True  # updates in place during backward (the manager asks)
+        self.speculative = step_in_backward == "speculative"
+        # Updates started in backward (step_in_backward="speculative"): kept by their step, redone by it (clipped,
+        # scaled, other hyper-parameters), undone before it (a forward or zero_grad() came first), in parameters.
+        self.speculation = dict(kept=0, redone=0, undone=0)
+        # The first step decides where state lives and which parameters update speculatively, before making any.
+        self._placement_pending = self._auto_fraction or self.speculative
+        self._loss_peak: Optional[int] = None  # the GPU's peak when the first step's first gradient was final
         # step_in_backward on a GPU: the side stream copying gradients updated on the CPU to the host.
         self._host_grad_stream: Optional[torch.cuda.Stream] = None
-        if step_in_backward:
-            if not is_initialized():
-                raise ValueError("AdamOffloadOptimizer(step_in_backward=True) needs bmtwrap.init_distributed() "
-                                 "first: the engine tells it when each block's gradient is final")
+        # BackwardOverlap's state (see overlap.py).
+        self._handed = {}
+        self._started = {}
+        self._spare = {}
+        self._handover_flags = {}
+        self._in_step = False
+        self._accumulating = False
+        self._passes_per_step: Optional[int] = None
+        self._passes_at_step = engine().passes_done if is_initialized() else 0
+        if is_initialized() and (self.step_in_backward or self.speculative or self._auto_fraction):
             engine().listen_for_final_grads(self._grads_final)
+        if is_initialized():
+            engine().add_offload_optimizer(self)
+        if self.speculative:
+            engine().listen_for_forward_starts(self._forward_starts)
 
     def _kept_on_gpu(self, offload_fraction: float) -> Set[int]:
         """Ids of the parameters whose state stays on the GPU: first in forward order, up to ``1 -
@@ -194,107 +248,124 @@ class AdamOffloadOptimizer(_AdamBase):
             raise ValueError(f"AdamOffloadOptimizer: offload_fraction={offload_fraction} keeps optimizer state on "
                              "the GPU, but no parameter is on one")
         budget = (1.0 - offload_fraction) * sum(p.numel() for p in params)
-        return self._first_needed(lambda p: p.numel(), budget)
-
-    def _first_needed(self, cost: Callable[[torch.Tensor], float], budget: float) -> Set[int]:
-        """Ids of the GPU parameters the next forward needs first, while their summed ``cost`` fits ``budget``
-        (half a parameter's cost may overshoot: the nearest fit)."""
         kept: Set[int] = set()
-        params = [p for g in self.param_groups for p in g["params"]]
-        for p in sorted(params, key=lambda q: self._priority[id(q)]):
-            if budget < cost(p) / 2:
+        for p in self._in_forward_order():
+            if budget < p.numel() / 2:  # half a parameter may overshoot: the nearest fit
                 break
             if p.is_cuda:
                 kept.add(id(p))
-                budget -= cost(p)
+                budget -= p.numel()
         return kept
 
-    def _settle_fraction(self) -> None:
-        """``offload_fraction="auto"``: keep on the GPU the state that fits there.
+    def _in_forward_order(self) -> List[torch.Tensor]:
+        """Every parameter, in the order the next forward needs them."""
+        return sorted((p for g in self.param_groups for p in g["params"]), key=lambda q: self._priority[id(q)])
 
-        [Note: automatic offload fraction]
-        The first step shows the most memory training needs on this GPU
-        (``torch.cuda.max_memory_allocated``: parameters, gathered blocks, gradients, activations and
-        recomputation). With ``step_in_backward`` the decision is made when the first backward hands
-        over its first gradient: the loss and the last block's recomputation, the peak of a
-        checkpointed step, are behind it, and no state exists yet, so the state that stays on the GPU
-        is made there and never on the host (a model whose whole state would not fit the host still
-        trains); the bytes of that state stay claimed until it exists (end of the first step).
-        Otherwise it is decided after the first step, and the state then moves.
+    # --- the first step: where the state lives -------------------------------------------------------------------
+    def _decide_placement(self, grads: GradsOnGpu) -> None:
+        """Keep on the GPU the state that fits (``offload_fraction="auto"``) and give the speculative share its
+        second set of state, before any state is made (see [Note: automatic offload fraction] and [Note:
+        speculative updates] in ``bmtwrap/engine/placement.py``)."""
+        self._placement_pending = False
+        order = self._in_forward_order()
+        candidates = [Candidate(on_gpu=self._resident(p), state=p.numel() * adam_state_bytes(p.dtype),
+                                grad=p.numel() * p.element_size(), in_block=self._in_block[id(p)],
+                                spare=self._spare_bytes(p) if self.speculative else 0) for p in order]
+        kept = [id(p) in self._on_gpu for p in order]
+        if self._auto_fraction:
+            self._auto_fraction = False
+            kept = self._fitting(order, candidates, grads)
+        chosen = self._host_check(order, candidates, kept)
+        if self.speculative and any(chosen):
+            for p, spare in zip(order, chosen):
+                if spare:
+                    self._spare[id(p)] = tuple(host_zeros(p.numel()).view(p.shape) for _ in range(3))
+        self._keep_on_gpu({id(p) for p, keep in zip(order, kept) if keep})
 
-        What is left of the card (or of ``wrap(max_gpu_memory=...)``), less the memory outside torch's
-        allocator (the CUDA context, NCCL's buffers: both count against it), holds optimizer state, less:
-        - ``AUTO_HEADROOM`` of the card (at least ``MIN_MARGIN``, 512 MiB, as ``checkpoint="auto"``
-          leaves: a small budget's share is too thin), for later variation (another sequence length)
-          and what the allocator cannot hand out; the optimizer turns on the allocator's expandable
-          segments, unless ``PYTORCH_ALLOC_CONF`` is set (``offload.expandable_segments``), and
-          leaves ``FIXED_SEGMENTS_HEADROOM`` more where they are off: fixed-size segments strand
-          several GiB as reserved but unusable memory on a full card;
-        - without ``step_in_backward``, the gradients of the parameters updated on the CPU: each
-          waits on the GPU until the CPU takes it, and when the CPU is the slower side a step's
-          worth waits into the next forward. With it they wait on the host instead (copied there
-          as each becomes final), and the GPU needs no room for them.
-        The state takes 12 bytes per element on the host (fp32 master, two moments; 8 for an fp32
-        parameter, its own master) and 10 on the GPU beside a bf16 parameter (the master split with
-        it: [Note: mixed precision]), less the gradient it spares when gradients wait on the GPU, and goes to
-        the parameters the next forward needs first, as a fixed ``offload_fraction`` would. (It has
-        first call on the memory: [Note: who gets the GPU memory left] in ``schedule.py``.) State that
-        already exists is
-        moved once, after the CPU updates so far are done; from then on those parameters are
-        updated on the GPU by the fused kernel, and the rest on the CPU.
-        """
-        self._auto_fraction = False
-        params = [p for g in self.param_groups for p in g["params"]]
-        cuda = [p for p in params if p.is_cuda]
-        if not cuda:
-            return
-        device = cuda[0].device
-        gauge = CudaGauge(device)
-        outside = gauge.outside_allocator()  # the CUDA context, NCCL: the card and a budget count them
+    def _resident(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` lives on the device the model computes on, whose memory is measured (its state may too)."""
+        return self._gauge is not None and p.device == self._device
+
+    def _fitting(self, order: List[torch.Tensor], candidates: List[Candidate], grads: GradsOnGpu) -> List[bool]:
+        """``offload_fraction="auto"``: which parameters keep their state on the GPU, the same share on every rank."""
+        gauge = self._gauge
+        if gauge is None or not any(c.on_gpu for c in candidates):
+            return [False] * len(order)
         budgeted = is_initialized() and engine().max_gpu_memory is not None  # wrap(max_gpu_memory=...)
-        total = ceiling_bytes(gauge, engine().max_gpu_memory if budgeted else None,
-                              engine().allocator_cap if budgeted else None)
-        peak = torch.cuda.max_memory_allocated(device)
-        headroom = AUTO_HEADROOM + (0.0 if self._expandable else FIXED_SEGMENTS_HEADROOM)
-        budget = total - max(headroom * total, MIN_MARGIN) - peak - outside
-        grads_wait_on_gpu = not self.step_in_backward
-        if grads_wait_on_gpu:
-            # The gradient of a parameter updated on the CPU stays on the GPU until the CPU takes it, up
-            # to a step's worth when the CPU is the slower side: room for those, less what each
-            # parameter kept on the GPU spares.
-            budget -= sum(p.numel() * p.element_size() for p in cuda)
-        if is_initialized() and engine().ctx.replicas > 1:
-            # Replicas update the same shards: each keeps on the GPU what the one with the least room keeps.
-            budget = -agree_max([-int(budget)], "offload_fraction='auto'")[0]
-        kept = self._first_needed(lambda p: p.numel() * (adam_state_bytes(p.dtype)
-                                                         - (p.element_size() if grads_wait_on_gpu else 0)), budget)
-        kept_bytes = sum(p.numel() * adam_state_bytes(p.dtype) for p in params if id(p) in kept)
-        self.auto_report = dict(gpu_bytes=total, peak_bytes=peak, outside_bytes=outside, headroom=headroom,
-                                state_bytes_on_gpu=kept_bytes,
-                                params_on_gpu=len(kept), params=len(params))
-        host_needed = sum(p.numel() * adam_state_bytes(p.dtype, offloaded=True) for p in params
-                          if id(p) not in kept and not self.state.get(p))
-        if self.step_in_backward:
-            # At worst, when the CPU is the slower side, every gradient it updates waits there at once.
-            host_needed += sum(p.numel() * p.element_size() for p in cuda if id(p) not in kept)
-        _check_host_room(host_needed, host_available_bytes(), kept_bytes)
+        ceiling = ceiling_bytes(gauge, engine().max_gpu_memory if budgeted else None,
+                                engine().allocator_cap if budgeted else None)
+        headroom = placement.AUTO_HEADROOM + (0.0 if self._expandable else placement.FIXED_SEGMENTS_HEADROOM)
+        # The peak as with every gradient on the GPU: those this step's backward handed over count again.
+        peak = gauge.peak() + sum(c.grad for p, c in zip(order, candidates) if id(p) in self._handed)
+        measured = Measured(ceiling=ceiling, outside=gauge.outside_allocator(),
+                            margin=max(int(headroom * ceiling), MIN_MARGIN), peak=peak,
+                            loss_peak=min(peak, self._loss_peak or peak))
+        kept = kept_on_gpu(candidates, measured, grads)
+        count = sum(kept)
+        if is_initialized() and engine().ctx.world_size > 1:
+            # Every rank keeps what the one with the least room keeps (ranks hold shards of equal size).
+            count = -agree_max([-count], "offload_fraction='auto'")[0]
+        on_gpu = [c.on_gpu for c in candidates]
+        kept = [keep and sum(on_gpu[: index + 1]) <= count for index, keep in enumerate(kept)]
+        kept_bytes = sum(c.state for c, keep in zip(candidates, kept) if keep)
+        self.auto_report = dict(gpu_bytes=ceiling, peak_bytes=peak, loss_peak_bytes=measured.loss_peak,
+                                outside_bytes=measured.outside, headroom=headroom, grads=grads.value,
+                                state_bytes_on_gpu=kept_bytes, params_on_gpu=sum(kept), params=len(order))
+        return kept
+
+    @staticmethod
+    def _spare_bytes(p: torch.Tensor) -> int:
+        """Host bytes of a second set of ``p``'s state; 0 where there cannot be one (an fp32 host parameter is its
+        own master and is updated in place)."""
+        if p.device.type == "cpu" and p.dtype == torch.float32:
+            return 0
+        return p.numel() * adam_state_bytes(p.dtype, offloaded=True)
+
+    def _host_check(self, order: List[torch.Tensor], candidates: List[Candidate], kept: List[bool]) -> List[bool]:
+        """Raise if the host cannot hold the state left to it; return which parameters also get a second set of
+        state for speculative updates (what fits beside it, see [Note: speculative updates])."""
+        made = [bool(self.state.get(p)) for p in order]
+        needed = sum(p.numel() * adam_state_bytes(p.dtype, offloaded=True)
+                     for p, keep, exists in zip(order, kept, made) if not keep and not exists)
+        if self.speculative or self.step_in_backward:
+            # The gradients handed over wait for the CPU in page-locked memory: at worst all of them at once.
+            needed += sum(c.grad for c, keep in zip(candidates, kept) if not keep and c.on_gpu and c.in_block)
+        available = host_available_bytes()
+        _check_host_room(needed, available, sum(c.state for c, keep in zip(candidates, kept) if keep))
+        if not self.speculative or available is None:
+            return [False] * len(order)
+        processes = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # they share the host
+        room = (available - max(int(HOST_MARGIN * available), HOST_MIN_MARGIN)) // processes - needed
+        return speculation_share(candidates, kept, room)
+
+    def _keep_on_gpu(self, kept: Set[int]) -> None:
+        """From now on the state of ``kept`` lives on the GPU; state made already moves there."""
+        params = [p for g in self.param_groups for p in g["params"]]
         if is_initialized():
             # The state not made yet keeps its claim until the end of this step.
             engine().claim_gpu_memory(self, sum(p.numel() * adam_state_bytes(p.dtype) for p in params
                                                 if id(p) in kept and not self.state.get(p)))
-        if not kept:
+        if kept == self._on_gpu:
             return
-        self.wait()  # the CPU updates of the first step are written back
+        self.wait()  # the CPU updates so far are written back
         self._on_gpu = kept  # first: a bf16 parameter kept on the GPU then holds half of its master
         for p in params:
-            if id(p) in kept and self.state.get(p):
-                state = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.state[p].items()}
+            if id(p) in kept and self.state.get(p) and self.state[p]["exp_avg"].device != p.device:
+                state = {k: v.to(p.device) if isinstance(v, torch.Tensor) else v for k, v in self.state[p].items()}
                 if p.dtype == torch.float32:
                     state.pop("master", None)  # on the GPU an fp32 parameter is its own master (equal after wait())
                 self.state[p] = self._split_master(p, state)
         kept_numel = sum(p.numel() for p in params if id(p) in kept)
         self.offload_fraction = 1.0 - kept_numel / max(1, sum(p.numel() for p in params))
 
+    def _settle_fraction(self) -> None:
+        """``offload_fraction="auto"`` with ``step_in_backward=True``: decided when the first backward hands over
+        its first gradient, past the loss and the last block's recomputation (the peak of a checkpointed step),
+        before any state exists; the gradients leave the GPU as they are handed over."""
+        self._loss_peak = self._gauge.peak() if self._gauge is not None else None
+        self._decide_placement(GradsOnGpu.ACCUMULATE)  # measured at the hand-over: what is there then stays
+
+    # --- state ---------------------------------------------------------------------------------------------------
     def _state_device(self, param: torch.Tensor) -> torch.device:
         return param.device if id(param) in self._on_gpu else torch.device("cpu")
 
@@ -324,6 +395,7 @@ class AdamOffloadOptimizer(_AdamBase):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Wait for the queued updates, then load as :class:`AdamOptimizer` does (state stays fp32)."""
         self.wait()
+        self._discard_backward()
         super().load_state_dict(state_dict)
 
     def wait(self) -> None:
@@ -335,105 +407,121 @@ class AdamOffloadOptimizer(_AdamBase):
         Adam kernel, stalled on gradient copies, idle; and the elements updated."""
         return self._offload.stats()
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's; gradients handed over during backward and updates started on them are dropped (a step that
+        is skipped: the parameters get back the values they had)."""
+        self._discard_backward()
+        self._accumulating = False
+        if is_initialized():
+            self._passes_at_step = engine().passes_done  # the next backward is the first of a step
+        super().zero_grad(set_to_none)
+
+    def _discard_backward(self) -> None:
+        if self._started:
+            self._cancel_started()
+        self._clear_overlap()
+
+    # --- the queue -----------------------------------------------------------------------------------------------
     def _queue(self, work: List[Tuple[torch.Tensor, Dict[str, Any], Dict[str, Any]]],
                ready_stream: Optional["torch.cuda.Stream"] = None) -> None:
         """Hand updates to the offload queue (the next gather of each parameter waits for its own), or
         run them on the GPU now for parameters whose state stays there. The gradients are final once
-        ``ready_stream`` (default: the current one) reaches this point."""
+        ``ready_stream`` (default: the current one) reaches this point; those handed over in backward once
+        their copies are. An update started in backward is kept where it used what this step applies, and
+        redone from the state it started from where it did not (see [Note: speculative updates])."""
         for p, state, hyper in work:
             if id(p) in self._on_gpu:
                 _update_in_place(p, state, hyper)
-        work = [item for item in work if id(item[0]) not in self._on_gpu]
-        grads = [p.grad.detach().contiguous() for p, _, _ in work]
+        host = [(p, state, hyper) for p, state, hyper in work if id(p) not in self._on_gpu]
+        plain = [item for item in host if id(item[0]) not in self._handed]
+        grads = [p.grad.detach().contiguous() for p, _, _ in plain]
         if self.step_in_backward and any(g.is_cuda for g in grads):
             grads, ready_stream = self._grads_to_host(grads, ready_stream)
-        updates = [ops.OffloadUpdate(p.detach(), grad, state.get("master", p).detach(), state["exp_avg"],
-                                     state["exp_avg_sq"], hyper, self._priority[id(p)])
-                   for (p, state, hyper), grad in zip(work, grads)]
-        tickets = self._offload.submit(updates, ready_stream)
+        handed = [item for item in host if id(item[0]) in self._handed]
+        self._submit(plain, grads, ready_stream)
+        if handed:  # copied to the host by one side stream (see overlap.py)
+            taken = [self._handed[id(p)] for p, _, _ in handed]
+            self._submit(handed, [h.host for h in taken], taken[0].stream)
+
+    def _submit(self, work: List[Tuple[torch.Tensor, Dict[str, Any], Dict[str, Any]]], grads: List[torch.Tensor],
+                ready_stream: Optional["torch.cuda.Stream"]) -> None:
+        """Queue the CPU updates of ``work`` with ``grads``, final once ``ready_stream`` reaches this point; an
+        update started in backward is kept where it did what this one would, else redone from its state."""
+        updates, params = [], []
+        for (p, state, hyper), grad in zip(work, grads):
+            started = self._started.pop(id(p), None)
+            if started is not None and started.hyper == hyper and started.grad.data_ptr() == grad.data_ptr():
+                self._swap_state(p, state)  # the update started in backward is this step's
+                self.speculation["kept"] += 1
+                continue
+            self.speculation["redone"] += started is not None
+            targets = self._spare[id(p)] if started is not None else (None, None, None)
+            updates.append(ops.OffloadUpdate(p.detach(), grad, state.get("master", p).detach(), state["exp_avg"],
+                                             state["exp_avg_sq"], hyper, self._priority[id(p)], *targets,
+                                             self._order[id(p)]))
+            params.append(p)
+            if started is not None:
+                self._swap_state(p, state)  # redone into the spare set, which becomes the state
+        for p, ticket in zip(params, self._offload.submit(updates, ready_stream)):
+            self._after_write(p, ticket)
+
+    def _after_write(self, p: torch.Tensor, ticket: ops.OffloadTicket) -> None:
+        """The next reader of ``p`` waits for the update behind ``ticket``."""
         registry = engine().registry if is_initialized() else None
-        for (p, _, _), ticket in zip(work, tickets):
-            found = registry.lookup(p) if registry is not None else None
-            if found is not None:
-                found[0].await_write(ticket)
-            else:
-                # No gather stands between this parameter and its next reader (a replicated one):
-                # the caller's stream waits here. These go first, so the wait is short.
-                ticket.wait()
+        found = registry.lookup(p) if registry is not None else None
+        if found is not None:
+            found[0].await_write(ticket)
+        else:
+            # No gather stands between this parameter and its next reader (a replicated one):
+            # the caller's stream waits here. These go first, so the wait is short.
+            ticket.wait()
 
-    def _grads_to_host(self, grads: List[torch.Tensor], ready_stream: Optional["torch.cuda.Stream"]
-                       ) -> Tuple[List[torch.Tensor], "torch.cuda.Stream"]:
-        """Copies of the GPU ``grads`` in page-locked host memory, made on a side stream once
-        ``ready_stream`` (default: the current one) reaches this point; returns them (host ones as they
-        were) and the stream that the copies are final on. A GPU gradient's memory can be reused once its
-        copy is done, whoever drops it: it is marked in use by the side stream."""
-        device = next(g.device for g in grads if g.is_cuda)
-        if self._host_grad_stream is None:
-            self._host_grad_stream = torch.cuda.Stream(device)
-        stream = self._host_grad_stream
-        stream.wait_stream(ready_stream or torch.cuda.current_stream(device))
-        copies = []
-        with torch.cuda.stream(stream):
-            for grad in grads:
-                if grad.is_cuda:
-                    host = host_empty(grad.numel(), grad.dtype, pinned=True).view(grad.shape)
-                    host.copy_(grad, non_blocking=True)
-                    grad.record_stream(stream)
-                    grad = host
-                copies.append(grad)
-        return copies, stream
-
+    # --- the engine's calls --------------------------------------------------------------------------------------
     def _grads_final(self, buffer: Any) -> None:
         """The engine's report, during backward: ``buffer``'s gradient shard is final."""
-        if self._auto_fraction:
-            self._settle_fraction()  # the first backward is past its peak ([Note: automatic offload fraction])
-        work = []
-        for slot in buffer.slots:
-            p = slot.param
-            group = self._group_of.get(id(p))
-            if group is None or p.grad is None or p.numel() == 0:
-                continue
-            work.append(self._advance(p, group, 1.0))
-        if self.nonfinite != "unchecked" and not buffer.offloaded:
-            for p, _, _ in work:  # queued behind this stream's work: no synchronisation (see step())
-                flag = self._backward_flags.setdefault(p.grad.device,
-                                                       torch.zeros(1, dtype=torch.uint8, device=p.grad.device))
-                ops.has_inf_nan_into(p.grad.detach(), flag)
-        self._queue(work, buffer.grad_stream)  # an offloaded buffer's gradient is still on its way to the host
-        for p, _, _ in work:
-            p.grad = None  # handed over: the queue holds it until the update is done
+        params = [slot.param for slot in buffer.slots
+                  if id(slot.param) in self._group_of and slot.param.grad is not None and slot.param.numel() > 0]
+        if not params:
+            return
+        if self._loss_peak is None and self._gauge is not None:
+            self._loss_peak = self._gauge.peak()  # past the loss (see engine/placement.py)
+        if self.step_in_backward:
+            self._update_in_backward(buffer, params)
+        elif self.speculative and self._handing_over():
+            params = [p for p in params if id(p) not in self._on_gpu and id(p) not in self._handed]
+            if params:
+                self._overlap_final(params, buffer.grad_stream, buffer.offloaded)
 
-    def _check_backward_updates(self) -> None:
-        """Raise if a block updated during this backward had a non-finite gradient on any rank."""
-        flags, self._backward_flags = self._backward_flags, {}
-        flag = torch.zeros(1, dtype=torch.uint8)
-        for other in flags.values():
-            flag = torch.maximum(flag, other.cpu())
-        if is_initialized() and engine().ctx.world_size > 1:
-            ctx = engine().ctx
-            flag = flag.to(ctx.device)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=ctx.group)
-        if bool(flag.item()):
-            raise NonFiniteGradientError(
-                "AdamOffloadOptimizer(step_in_backward=True): blocks were updated during backward with gradients "
-                "holding inf or NaN, so their weights are damaged; reload the last checkpoint. The loss was "
-                "probably not finite: lower the learning rate, or use step_in_backward=False, which checks every "
-                "gradient before updating anything"
-            )
+    def _forward_starts(self, with_grad: bool) -> None:
+        self._overlap_forward(with_grad)
 
+    def _finite(self, params: List[torch.Tensor]) -> bool:
+        try:
+            finite = super()._finite(params)
+        except NonFiniteGradientError:
+            self._discard_backward()  # nothing is updated: the parameters are as they were
+            raise
+        if not finite:
+            self._discard_backward()
+        return finite
+
+    # --- the step ------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scale: float = 1.0,
              assume_finite: bool = False) -> Any:
         """Queue the update of every parameter that has a gradient, and return without waiting for it.
 
-        Without ``step_in_backward`` it first waits for the previous step's updates; with it, the
-        blocks were updated during backward, and this queues the rest. The next forward waits, per
-        block, for the parameters it gathers. On a machine without a GPU it waits for the updates
-        before returning, as there is nothing to overlap them with.
+        With ``step_in_backward=False`` it first waits for the previous step's updates; with
+        ``"speculative"``, it keeps the updates started in backward that this step applies as they were
+        and redoes the others; with ``True``, the blocks were updated during backward, and this queues
+        the rest. The next forward waits, per block, for the parameters it gathers. On a machine
+        without a GPU it waits for the updates before returning, as there is nothing to overlap them with.
+        The first step decides where the state lives (``offload_fraction="auto"``) before making any.
 
         Args:
             closure: re-evaluates the model and returns the loss, as for any torch optimizer.
-            grad_scale: gradients are multiplied by it as they are read.
+            grad_scale: gradients are multiplied by it as they are read (times what
+                ``scale_next_step()`` gave).
             assume_finite: skip the check for non-finite gradients (the caller made it).
 
         Returns:
@@ -442,25 +530,62 @@ class AdamOffloadOptimizer(_AdamBase):
         Raises:
             ValueError: ``grad_scale`` other than 1 with ``step_in_backward=True``.
             NonFiniteGradientError: a gradient holds an inf or a NaN (``nonfinite="raise"``).
+            MemoryError: at the first step, the host cannot hold the state left to it.
         """
+        grad_scale = self._take_scale(grad_scale)
         if self.step_in_backward and grad_scale != 1.0:
             raise ValueError("AdamOffloadOptimizer(step_in_backward=True) updated the blocks during backward "
                              f"with the gradients as they were; it cannot apply grad_scale={grad_scale} (loss "
-                             "scaling or clipping) afterwards: use step_in_backward=False for that")
-        if not self.step_in_backward:
+                             "scaling or clipping) afterwards: use step_in_backward='auto' for that")
+        loss = None
+        if closure is not None:
+            self._in_step = True  # the closure's backward is this step's: nothing to start early
+            try:
+                with torch.enable_grad():
+                    loss = closure()
+            finally:
+                self._in_step = False
+        if self.step_in_backward:
+            if self.nonfinite != "unchecked":
+                self._check_backward_updates()
+        elif not self.speculative:
             self.wait()
-        elif self.nonfinite != "unchecked":
-            self._check_backward_updates()
-        loss, work = self._prepare(closure, grad_scale, assume_finite)
-        if work is None:
+        passes = engine().passes_done - self._passes_at_step if is_initialized() else 1
+        if self._placement_pending:
+            self._first_step(passes)
+        params = [p for g in self.param_groups for p in g["params"]]
+        if not assume_finite and not self._finite(params):
+            self._end_pass_count(passes)
             return loss
+        work = [self._advance(p, group, grad_scale) for group in self.param_groups for p in group["params"]
+                if (p.grad is not None or id(p) in self._handed) and p.numel() > 0]
         self._offload.prioritise()
         self._queue(work)
         self._end_step()
-        if self._auto_fraction:
-            self._settle_fraction()
-        elif is_initialized():
+        self._clear_overlap()
+        self._end_pass_count(passes)
+        if is_initialized():
             engine().claim_gpu_memory(self, 0)  # the state kept on the GPU exists now
         if self._offload.device.type == "cpu" and not self.step_in_backward:
             self.wait()  # nothing to overlap with on a CPU-only machine
         return loss
+
+    def _first_step(self, passes: int) -> None:
+        """Decide where the state lives before making it; in the speculative mode, hand the gradients the CPU will
+        update over to the host first, so that the state kept on the GPU has their room."""
+        if self.speculative:
+            self._decide_placement(GradsOnGpu.LEAVE if passes <= 1 else GradsOnGpu.ACCUMULATE)
+            self._return_grads(list(self._on_gpu))  # their updates run on the GPU
+            params = [p for g in self.param_groups for p in g["params"]
+                      if p.grad is not None and p.is_cuda and p.numel() > 0 and id(p) not in self._on_gpu
+                      and self._in_block[id(p)]]
+            if params:  # kept on the GPU through an accumulating step: the state needs their room now
+                self._hand_over(params, None)
+        else:
+            self._decide_placement(GradsOnGpu.WAIT)
+
+    def _end_pass_count(self, passes: int) -> None:
+        """Remember how many backward passes this step had: the next one starts its updates in its own last."""
+        self._passes_per_step = passes if passes > 0 else None
+        self._accumulating = False
+        self._passes_at_step = engine().passes_done if is_initialized() else 0

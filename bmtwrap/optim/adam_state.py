@@ -24,7 +24,7 @@ from torch.autograd.graph import increment_version
 
 from .. import ops
 from ..engine.dist import is_initialized
-from ..engine.offload import OffloadPolicy
+from ..engine.offload import OffloadPolicy, adam_state_bytes
 from ..engine.schedule import engine
 from .nonfinite import NonFiniteGradientError, any_nonfinite, check_choice, describe_nonfinite
 
@@ -100,6 +100,17 @@ class _AdamBase(torch.optim.Optimizer):
         self._who = who
         self.nonfinite = nonfinite
         self.skipped_steps = 0  # steps skipped for non-finite gradients (nonfinite="skip")
+        self._pending_scale = 1.0  # clipping coefficients given with scale_next_step()
+
+    def scale_next_step(self, factor: float) -> None:
+        """Multiply the gradients the next ``step()`` applies by ``factor`` (a clipping coefficient) as they are
+        read, instead of in ``.grad`` (see ``optim_manager.clip_grads_with_norm``)."""
+        self._pending_scale *= float(factor)
+
+    def _take_scale(self, grad_scale: float) -> float:
+        """``grad_scale`` times what ``scale_next_step()`` gave since the last step."""
+        grad_scale, self._pending_scale = grad_scale * self._pending_scale, 1.0
+        return grad_scale
 
     # Loading keeps fp32 state fp32: torch's Optimizer.load_state_dict would cast it to each
     # parameter's dtype, rounding the master copy of a bf16 model to bf16.
@@ -199,9 +210,26 @@ class _AdamBase(torch.optim.Optimizer):
                 loss = closure()
         if not assume_finite and not self._finite([p for g in self.param_groups for p in g["params"]]):
             return loss, None
+        self._check_room([p for g in self.param_groups for p in g["params"]
+                          if p.grad is not None and not self.state.get(p)])
         work = [self._advance(p, group, grad_scale) for group in self.param_groups for p in group["params"]
                 if p.grad is not None and p.numel() > 0]
         return loss, work
+
+    def _check_room(self, params: List[torch.Tensor]) -> None:
+        """Raise before making the state of ``params`` on a GPU that cannot hold it (a clear error instead of the
+        allocator's, part-way through the step)."""
+        devices = {self._state_device(p) for p in params}
+        for device in (d for d in devices if d.type == "cuda"):
+            needed = sum(p.numel() * adam_state_bytes(p.dtype) for p in params if self._state_device(p) == device)
+            free, _ = torch.cuda.mem_get_info(device)
+            room = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+            if needed > room:
+                raise torch.OutOfMemoryError(
+                    f"{self._who}: its state (fp32 master and moments) needs {needed / 2**30:.1f} GiB on {device}, "
+                    f"which has {room / 2**30:.1f} GiB left; nothing was made or updated. "
+                    "bmtwrap.optim.auto_adam(model.parameters(), ...) keeps on the GPU the state that fits and "
+                    "updates the rest on the CPU (or AdamOffloadOptimizer(offload_fraction=...) by hand)")
 
     def _finite(self, params: List[torch.Tensor]) -> bool:
         """Whether to step: gradients finite on every rank; else raise, or count a skipped step."""

@@ -7,8 +7,6 @@ from typing import Any, Iterable
 
 import torch
 
-from ..engine.dist import is_initialized
-from ..engine.schedule import engine
 from .adam import AdamOptimizer
 from .adam_offload import AdamOffloadOptimizer
 
@@ -20,29 +18,27 @@ OFFLOAD_ONLY = frozenset(inspect.signature(AdamOffloadOptimizer).parameters) - s
 
 
 def wants_offload(params: Iterable[torch.Tensor]) -> bool:
-    """Whether the state of ``params`` should be free to leave the GPU: a GPU budget is set
-    (``wrap(max_gpu_memory=...)``), or some of them live in host memory beside a GPU (``offload_params``)."""
-    params = list(params)
-    if not any(p.is_cuda for p in params):
-        return False  # nothing on a GPU: no GPU memory to spare
-    budget = is_initialized() and engine().max_gpu_memory is not None
-    return budget or any(p.device.type == "cpu" for p in params)
+    """Whether the state of ``params`` should be free to leave the GPU: some of them are on a GPU, or live in host
+    memory beside one (``wrap(offload_params=...)``). A machine without a GPU has no GPU memory to spare."""
+    return any(p.is_cuda for p in params)
 
 
 def auto_adam(params: Iterable[Any], lr: float = 1e-3, **kwargs: Any) -> AdamOptimizer:
-    """Adam(W), placed where ``wrap``'s memory options call for.
+    """Adam(W), with its state where it fits: the optimizer to use unless you know better.
 
-    With a GPU budget (``wrap(max_gpu_memory=...)``) or parameters in host memory (``wrap``'s
-    ``offload_params``, chosen or ``"auto"``): :class:`AdamOffloadOptimizer` with
-    ``offload_fraction="auto"``, so the state that fits under the budget stays on the GPU and the rest
-    is updated by the CPU; otherwise :class:`AdamOptimizer`, all on the device. The other arguments
-    are the optimizer's; the offload optimizer's own (``step_in_backward=True`` overlaps the CPU's share
-    with backward, where no gradient clipping or accumulation is needed; ``cpu_threads``, ...) are
-    dropped when :class:`AdamOptimizer` is chosen.
+    On a GPU: :class:`AdamOffloadOptimizer` with ``offload_fraction="auto"`` and ``step_in_backward="auto"``.
+    At its first step, before it makes any state, it measures what the step needs and keeps on the GPU as
+    much state as fits on the card (or under ``wrap(max_gpu_memory=...)``), all of it where everything
+    fits (then it runs as :class:`AdamOptimizer` does); the rest lives in host memory and is updated by the
+    CPU, starting during backward (see [Note: automatic offload fraction] and [Note: speculative updates]
+    in ``bmtwrap/engine/placement.py``). So a model whose optimizer state does not fit the card trains
+    without an option, and one whose state fits loses nothing. Without a GPU: :class:`AdamOptimizer`.
+    The other arguments are the optimizer's; the offload optimizer's own (``step_in_backward``,
+    ``cpu_threads``, ``offload_fraction``, ...) are dropped when :class:`AdamOptimizer` is chosen.
 
     Example::
 
-        model = bmtwrap.wrap(model, max_gpu_memory="24GiB")
+        model = bmtwrap.wrap(model)
         optimizer = bmtwrap.optim.auto_adam(model.parameters(), lr=1e-4)
     """
     params = list(params)

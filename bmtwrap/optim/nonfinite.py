@@ -27,6 +27,7 @@ from .. import ops
 from ..engine.dist import is_initialized
 from ..engine.group import ROOT_LABEL
 from ..engine.schedule import engine
+from .handed import HandedGrad, handed_grad
 
 __all__ = ["NONFINITE_CHOICES", "NonFiniteGradientError", "any_nonfinite", "check_choice", "describe_nonfinite"]
 
@@ -47,12 +48,20 @@ def _grads(params: Iterable[torch.Tensor]) -> List[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None and p.grad.numel() > 0]
 
 
+def _handed(params: Iterable[torch.Tensor]) -> List[HandedGrad]:
+    """What offload optimizers took off the ``.grad`` of ``params`` during this step's backward."""
+    handed = (handed_grad(p) for p in params if p.grad is None)
+    return [h for h in handed if h is not None]
+
+
 def any_nonfinite(params: Iterable[torch.Tensor]) -> bool:
     """Whether any rank's gradient of ``params`` holds an inf or a NaN (a collective once distributed).
 
     Every rank must call it with the parameters of the same optimizers; a rank without gradients
-    still takes part in the agreement.
+    still takes part in the agreement. Gradients an offload optimizer took over during backward
+    (``.grad`` is ``None`` then) count through the flag it set as it took them.
     """
+    params = list(params)
     grads = _grads(params)
     device = engine().ctx.device if is_initialized() else (grads[0].device if grads else torch.device("cpu"))
     flags: Dict[torch.device, torch.Tensor] = {device: torch.zeros(1, dtype=torch.uint8, device=device)}
@@ -63,6 +72,10 @@ def any_nonfinite(params: Iterable[torch.Tensor]) -> bool:
     flag = flags.pop(device)
     for other in flags.values():
         flag = torch.maximum(flag, other.to(device))
+    handed_flags = {id(h.nonfinite): h for h in _handed(params)}
+    for handed in handed_flags.values():
+        handed.ready()
+        flag = torch.maximum(flag, handed.nonfinite.to(device))
     if is_initialized() and engine().ctx.world_size > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=engine().ctx.group)
     return bool(flag.item())
@@ -77,9 +90,20 @@ def _name(index: int, param: torch.Tensor) -> str:
     return f"'{slot.name}'" if buffer.label.startswith(ROOT_LABEL) else f"'{buffer.label}.{slot.name}'"
 
 
+def _finite_grad(param: torch.Tensor) -> bool:
+    """Whether ``param``'s gradient (on it, or taken over by an offload optimizer) is finite; True without one."""
+    if param.grad is not None:
+        return bool(torch.isfinite(param.grad).all())
+    handed = handed_grad(param)
+    if handed is None:
+        return True
+    handed.host_ready()
+    return bool(torch.isfinite(handed.host).all())
+
+
 def describe_nonfinite(params: Iterable[torch.Tensor], limit: int = 5) -> str:
     """Which of this rank's parameters have a non-finite gradient, for an error message (a slow path)."""
-    bad = [_name(i, p) for i, p in enumerate(params) if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+    bad = [_name(i, p) for i, p in enumerate(params) if not _finite_grad(p)]
     if not bad:
         return "another rank's gradients"
     shown = ", ".join(bad[:limit])

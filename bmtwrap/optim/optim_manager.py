@@ -11,8 +11,9 @@ import torch.distributed as dist
 
 from ..engine.schedule import engine
 from .nonfinite import NonFiniteGradientError, any_nonfinite, check_choice, describe_nonfinite
+from .handed import handed_grad, norm_term
 
-__all__ = ["OptimManager", "ScaledStep", "grad_norm"]
+__all__ = ["OptimManager", "ScaledStep", "clip_grads_with_norm", "grad_norm"]
 
 
 class ScaledStep(Protocol):
@@ -107,7 +108,7 @@ class OptimManager:
         if self.loss_scale_enabled and getattr(optimizer, "step_in_backward", False):
             raise ValueError("this optimizer steps in backward (step_in_backward=True), before a loss scale could "
                              "be checked for overflow; use OptimManager(loss_scale=None) (bf16 needs none) or "
-                             "step_in_backward=False")
+                             "step_in_backward='auto'")
         self.optimizers.append(optimizer)
         self.lr_schedulers.append(lr_scheduler)
 
@@ -166,7 +167,7 @@ class OptimManager:
         """
         if any(getattr(o, "step_in_backward", False) for o in self.optimizers):
             raise ValueError("clip_grad_norm needs every gradient before any update, but an optimizer steps in "
-                             "backward (step_in_backward=True); use step_in_backward=False to clip")
+                             "backward (step_in_backward=True); use step_in_backward='auto' to clip")
         total = grad_norm(self._params(param_groups), norm_type) * (self._unscale() * self._clip)
         coef = max_norm / (total.item() + eps)
         if coef < 1:
@@ -282,29 +283,67 @@ def grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.T
     """
     eng = engine()
     ctx = eng.ctx
-    with_grad = [p for p in params if p.grad is not None]
-    sharded = [p.grad for p in with_grad if eng.registry.is_sharded(p)]
-    replicated = [p.grad for p in with_grad if not eng.registry.is_sharded(p)]
+    params = list(params)
+    # A gradient an offload optimizer took over during backward counts as if it were still .grad: its 2-norm was
+    # taken where it was, the same way; other norms read it in host memory.
+    handed = {id(p): handed_grad(p) for p in params if p.grad is None}
+    with_grad = [p for p in params if p.grad is not None or handed.get(id(p)) is not None]
+    sharded = [p for p in with_grad if eng.registry.is_sharded(p)]
+    replicated = [p for p in with_grad if not eng.registry.is_sharded(p)]
     norm_type = float(norm_type)
+
+    def grad_of(p: torch.Tensor) -> torch.Tensor:
+        if p.grad is not None:
+            return p.grad.detach()
+        handed[id(p)].host_ready()
+        return handed[id(p)].host
+
     if math.isinf(norm_type):
         local = torch.zeros((), dtype=torch.float32, device=ctx.device)
-        for g in sharded:
-            if g.numel():
-                local = torch.maximum(local, g.detach().abs().max().float())
+        for p in sharded:
+            if p.numel():
+                local = torch.maximum(local, grad_of(p).abs().max().float().to(ctx.device))
         if ctx.shard_size > 1:  # one shard group holds every piece once (see [Note: hybrid sharding])
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=ctx.shard_group)
-        for g in replicated:
-            if g.numel():
-                local = torch.maximum(local, g.detach().abs().max().float())
+        for p in replicated:
+            if p.numel():
+                local = torch.maximum(local, grad_of(p).abs().max().float().to(ctx.device))
         return local
 
-    def power_sum(grads: List[torch.Tensor]) -> torch.Tensor:
+    def power_sum(members: List[torch.Tensor]) -> torch.Tensor:
         acc = torch.zeros((), dtype=torch.float32, device=ctx.device)
-        for g in grads:
-            acc += g.detach().float().norm(norm_type) ** norm_type
+        for p in members:
+            taken = handed.get(id(p))
+            if taken is not None and norm_type == 2.0:
+                taken.ready()
+                acc += taken.norm.to(ctx.device) ** norm_type
+            else:
+                acc += norm_term(grad_of(p), norm_type).to(ctx.device)
         return acc
 
     local = power_sum(sharded)
     if ctx.shard_size > 1:  # over one shard group: the replicas' pieces are the same ones again
         dist.all_reduce(local, op=dist.ReduceOp.SUM, group=ctx.shard_group)
     return (local + power_sum(replicated)) ** (1.0 / norm_type)
+
+
+@torch.no_grad()
+def clip_grads_with_norm(params: Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor,
+                         optimizers: Iterable[torch.optim.Optimizer] = ()) -> None:
+    """Scale the gradients of ``params`` by ``min(1, max_norm / (total_norm + 1e-6))``, as
+    ``torch.nn.utils.clip_grads_with_norm_`` does, the coefficient computed the same way.
+
+    The parameters of bmtwrap's optimizers among ``optimizers`` (those with ``scale_next_step``) are not
+    touched: their optimizer applies the coefficient as it reads each gradient in its next step, which
+    also covers gradients an offload optimizer took over during backward. Every other gradient is
+    multiplied in place.
+    """
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    scaled = set()
+    for optimizer in optimizers:
+        if hasattr(optimizer, "scale_next_step"):
+            optimizer.scale_next_step(coef.item())
+            scaled.update(id(p) for group in optimizer.param_groups for p in group["params"])
+    rest = [p.grad for p in params if id(p) not in scaled and p.grad is not None]
+    if rest:
+        torch._foreach_mul_(rest, coef.to(rest[0].device))

@@ -156,9 +156,8 @@ class AutoRecompute:
         if predicted > self.limit() and self._budget is not None:
             warnings.warn(f"bmtwrap: a training step with every block checkpointed is predicted to take "
                           f"{format_bytes(predicted)} of this GPU, above max_gpu_memory={format_bytes(self._budget)} "
-                          f"less its margin ({format_bytes(self.limit())}); to stay under it, offload the optimizer's "
-                          "state (bmtwrap.optim.AdamOffloadOptimizer) or the parameters (wrap(model, "
-                          "offload_params=True)), or lower the per-GPU batch", RuntimeWarning, stacklevel=2)
+                          f"less its margin ({format_bytes(self.limit())}); to stay under it, "
+                          f"{_what_else_fits(self._runners)}", RuntimeWarning, stacklevel=2)
 
     def _check_peak(self) -> None:
         gauge = self._gauge
@@ -215,6 +214,19 @@ class AutoRecompute:
                       f"{f' and the {after} kept block(s) after it' if after else ''}, and runs it again",
                       RuntimeWarning, stacklevel=2)
         return True
+
+
+def _what_else_fits(runners: List[BlockRunner]) -> str:
+    """What a step over its GPU budget can still move off the GPU, for the warning: only what is not there yet."""
+    options = []
+    offloaders = engine().offload_optimizers()
+    if not offloaders:
+        options.append("keep the optimizer's state where it fits (bmtwrap.optim.auto_adam)")
+    elif any(o.offload_fraction < 1.0 for o in offloaders):
+        options.append("keep less optimizer state on the GPU (AdamOffloadOptimizer(offload_fraction=1.0))")
+    if not all(b.offloaded for r in runners for b in r.group.buffers):
+        options.append("offload the blocks' parameters (wrap(model, offload_params=True))")
+    return ", ".join(options) + (", or " if options else "") + "lower the per-GPU batch"
 
 
 def auto_recompute(root: RootRunner, runners: List[BlockRunner], max_gpu_memory: Optional[int],

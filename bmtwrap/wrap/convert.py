@@ -124,7 +124,8 @@ def _check_options(checkpoint: Checkpoint, zero_level: Optional[int]) -> None:
 
 def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional[LayerPolicy] = None,
          checkpoint: Checkpoint = "auto", batch_size: Optional[int] = None, seq_len: Optional[int] = None,
-         offload_optimizer: bool = False, offload_fraction: float = 1.0, step_in_backward: bool = False,
+         offload_optimizer: Union[bool, str] = "auto", offload_fraction: Union[float, str] = 1.0,
+         step_in_backward: Union[bool, str] = "auto",
          offload_params: Union[bool, str] = "auto",
          ranks_per_host: Optional[int] = None, max_gpu_memory: Union[int, str, None] = None,
          keep_logits: bool = False, compile: CompileOption = "auto", shard_size: Optional[int] = None) -> WrapPlan:
@@ -146,11 +147,17 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
             outside torch's allocator (``memory.outside_allocator_estimate``).
         batch_size: the batch size each rank runs, for the activation estimate (with ``seq_len``).
         seq_len: the sequence length, for the activation estimate (with ``batch_size``).
-        offload_optimizer: plan for :class:`~bmtwrap.optim.AdamOffloadOptimizer` (optimizer state
-            on the host) instead of :class:`~bmtwrap.optim.AdamOptimizer`.
-        offload_fraction: the offload optimizer's ``offload_fraction``.
-        step_in_backward: the offload optimizer's ``step_in_backward``: the gradients of the state on the
-            host leave the GPU as backward makes them.
+        offload_optimizer: ``"auto"`` (default): the optimizer :func:`bmtwrap.optim.auto_adam` builds. Given
+            ``max_gpu_memory`` (a size, or a card such as ``"H100"``) and a batch shape, the state that fits
+            beside the first step stays on the GPU and the rest is planned on the host, as that optimizer
+            decides at its first step (see [Note: automatic offload fraction] in
+            ``bmtwrap/engine/placement.py``); without them, all of it on the GPU (where everything fits).
+            ``True``: :class:`~bmtwrap.optim.AdamOffloadOptimizer` with ``offload_fraction``; ``False``:
+            :class:`~bmtwrap.optim.AdamOptimizer`, all on the GPU.
+        offload_fraction: the offload optimizer's ``offload_fraction``, or ``"auto"`` (decided for the card
+            as above).
+        step_in_backward: the offload optimizer's ``step_in_backward``: other than ``False``, the gradients
+            of the state on the host leave the GPU as backward makes them (``"auto"``: as on a GPU).
         offload_params: as for :func:`wrap`; ``"auto"`` (default) decides from ``max_gpu_memory`` (without
             one: ``False``).
         ranks_per_host: ranks sharing one host, for the per-host memory; default:
@@ -189,15 +196,18 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
         shard_size = ctx.shard_size if ctx is not None and ctx.world_size == world_size else world_size
     if not 1 <= shard_size <= world_size or world_size % shard_size:
         raise ValueError(f"shard_size={shard_size} must divide world_size={world_size}")
-    if not 0.0 <= offload_fraction <= 1.0:
-        raise ValueError(f"offload_fraction must be in [0, 1], got {offload_fraction!r}")
+    if offload_optimizer not in (True, False, "auto"):
+        raise ValueError(f"offload_optimizer must be True, False or 'auto', got {offload_optimizer!r}")
+    if offload_fraction != "auto" and not (isinstance(offload_fraction, (int, float))
+                                           and 0.0 <= offload_fraction <= 1.0):
+        raise ValueError(f"offload_fraction must be 'auto' or in [0, 1], got {offload_fraction!r}")
     if ranks_per_host is not None and ranks_per_host < 1:
         raise ValueError(f"ranks_per_host must be >= 1, got {ranks_per_host!r}")
     budget = None if max_gpu_memory is None else parse_bytes(max_gpu_memory)
     if offload_params == "auto":
         offload_params = offload_params_auto(model, world_size, budget, shard_size)
     offload = OffloadOptions(optimizer=offload_optimizer, fraction=offload_fraction, params=offload_params,
-                             in_backward=step_in_backward)
+                             in_backward=step_in_backward is not False)
     return make_plan(model, world_size, layers=layers, checkpoint=checkpoint, batch_size=batch_size,
                      seq_len=seq_len, offload=offload, ranks_per_host=ranks_per_host, max_gpu_memory=budget,
                      fused_loss=not keep_logits, compiled=compile is not False, shard_size=shard_size)[0]

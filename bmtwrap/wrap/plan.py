@@ -50,9 +50,10 @@ from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Set, Tu
 import torch
 from torch import nn
 
-from ..engine.memory import margin_bytes, outside_allocator_estimate
+from ..engine.memory import MIN_MARGIN, margin_bytes, outside_allocator_estimate
 from ..engine.offload import DEFAULT_CHUNK_NUMEL, DEFAULT_SLOTS, adam_state_bytes
 from ..engine.param import build_layout
+from ..engine.placement import AUTO_HEADROOM, Candidate, GradsOnGpu, Measured, kept_on_gpu
 from .adapters import adapter_for
 from .detect import LayerPolicy, find_blocks
 
@@ -79,19 +80,23 @@ class OffloadOptions:
     """What is offloaded to the host, for the estimate.
 
     Attributes:
-        optimizer: the optimizer is :class:`~bmtwrap.optim.AdamOffloadOptimizer`.
-        fraction: its ``offload_fraction``: the share of the parameters whose state is on the host.
+        optimizer: the optimizer is :class:`~bmtwrap.optim.AdamOffloadOptimizer`; ``"auto"``: what
+            :func:`bmtwrap.optim.auto_adam` builds (decided for a card, see ``make_plan``).
+        fraction: its ``offload_fraction``: the share of the parameters whose state is on the host; ``"auto"``:
+            decided for a card.
         params: ``wrap(offload_params=True)``: the blocks' shards and gradients in pinned memory.
         in_backward: the optimizer's ``step_in_backward``: a gradient shard whose parameters' state is on the
             host leaves the GPU as soon as it is final, so at most one such shard is there at a time.
+        decided: ``fraction`` is what ``"auto"`` chose for the card planned for.
         chunk_numel: elements per staging chunk of the offload optimizer.
         staging_slots: staging chunks in flight.
     """
 
-    optimizer: bool = False
-    fraction: float = 1.0
+    optimizer: Union[bool, str] = False
+    fraction: Union[float, str] = 1.0
     params: bool = False
     in_backward: bool = False
+    decided: bool = False
     chunk_numel: int = DEFAULT_CHUNK_NUMEL
     staging_slots: int = DEFAULT_SLOTS
 
@@ -234,8 +239,13 @@ class WrapPlan:
         if self.shared:
             lines.append(f"  kept in the root because shared: {', '.join(self.shared)}")
         m, o = self.memory, self.offload
-        offloaded = [f"optimizer state ({o.fraction:.0%})" if o.optimizer else "", "block parameters" if o.params else ""]
+        offloaded = [f"optimizer state ({o.fraction:.0%})" if o.optimizer and o.fraction else "",
+                     "block parameters" if o.params else ""]
         lines.append(f"  offloaded to the host: {', '.join(x for x in offloaded if x) or 'nothing'}")
+        if o.decided:
+            lines.append(f"  optimizer: auto_adam's choice for {self.max_gpu_memory / 2**30:.2f} GiB: the state of "
+                         f"{1 - o.fraction:.0%} of the parameters on the GPU, the rest updated by the CPU "
+                         "from backward on")
         lines.append("  GPU memory per rank (estimate):")
         lines.append(f"    parameters {gib(m.params)}   gradients {gib(m.grads)}   optimizer {gib(m.optimizer)}")
         act = gib(m.activations) if m.activations is not None else "   (give batch_size and seq_len)"
@@ -468,6 +478,33 @@ def _keep_what_fits(blocks: List[GroupPlan], estimate: Callable[[List[GroupPlan]
     return planned
 
 
+def _auto_offload(offload: OffloadOptions, groups: _Groups,
+                  estimator: Callable[[OffloadOptions], Callable[[List[GroupPlan]], MemoryEstimate]],
+                  blocks: List[GroupPlan], world_size: int, budget: Optional[int], shaped: bool) -> OffloadOptions:
+    """What ``offload.optimizer="auto"`` (:func:`bmtwrap.optim.auto_adam`) or ``offload.fraction="auto"`` would
+    choose on a card of ``budget`` bytes: the state that fits beside the first step, planned with every block
+    checkpointed and no state on the GPU, goes there, in forward order, as the optimizer decides at its first step
+    (see [Note: automatic offload fraction] in ``bmtwrap/engine/placement.py``). Without a card or a batch shape
+    there is nothing to decide from: ``auto_adam``'s optimizer is planned with all its state on the GPU (what it
+    keeps where everything fits), the offload optimizer's with all of it on the host."""
+    if budget is None or not shaped:
+        explicit = offload.optimizer is True
+        return dataclasses.replace(offload, optimizer=explicit, fraction=1.0,
+                                   in_backward=offload.in_backward and explicit)
+    first = estimator(dataclasses.replace(offload, optimizer=True, fraction=1.0, in_backward=False))(blocks)
+    candidates = [Candidate(on_gpu=block is None or not offload.params, state=numel * adam_state_bytes(buffer.dtype),
+                            grad=numel * _itemsize(buffer.dtype), in_block=block is not None)
+                  for block, buffer in groups.in_forward_order() if buffer.requires_grad for numel in buffer.owned[0]]
+    measured = Measured(ceiling=budget, outside=outside_allocator_estimate(world_size),
+                        margin=max(int(AUTO_HEADROOM * budget), MIN_MARGIN), peak=first.total,
+                        loss_peak=first.loss_peak or first.total)
+    kept = kept_on_gpu(candidates, measured, GradsOnGpu.LEAVE)
+    numels = [numel for _, buffer in groups.in_forward_order() if buffer.requires_grad for numel in buffer.owned[0]]
+    on_gpu = sum(n for n, keep in zip(numels, kept) if keep)
+    fraction = 1.0 - on_gpu / max(1, sum(numels))
+    return dataclasses.replace(offload, optimizer=True, fraction=fraction, in_backward=True, decided=True)
+
+
 def make_plan(model: nn.Module, world_size: int, *, layers: Optional[LayerPolicy] = None,
               checkpoint: Checkpoint = "auto", batch_size: Optional[int] = None, seq_len: Optional[int] = None,
               offload: OffloadOptions = OffloadOptions(), ranks_per_host: Optional[int] = None,
@@ -492,50 +529,60 @@ def make_plan(model: nn.Module, world_size: int, *, layers: Optional[LayerPolicy
     root = _group_plan("", model, root_params, None, root_buffers)
     groups = _Groups(root_buffers, block_buffers)
 
-    ranks = [_rank_bytes(groups, offload, r) for r in range(shards)]  # replicas hold the same
-    exact = {key: max(r[key] for r in ranks) for key in ranks[0]}
-    root_grad = sum(b.padded_total * _itemsize(b.dtype) for b in root_buffers if b.requires_grad)
-    largest = sorted((b.padded_bytes for b in block_plans), reverse=True)
-    largest_grad = max((sum(b.padded_total * _itemsize(b.dtype) for b in bufs if b.requires_grad)
-                        for bufs in block_buffers), default=0)
-    gathered = root.padded_bytes + root_grad + sum(largest[:2]) + largest_grad
-    block_dtype = next((b.dtype for bufs in block_buffers for b in bufs), torch.float32)
-    staging = 0
-    if offload.optimizer:
-        grad_size = max((_itemsize(b.dtype) for _, b in groups.in_forward_order()), default=4)
-        staging = offload.chunk_numel * 2 * grad_size * offload.staging_slots  # a gradient and a parameter (cudaHostAlloc)
-    host_detail = (("optimizer state", exact["host_state"]), ("pinned staging", staging),
-                   ("parameters and gradients", exact["host_params"]))
+    def estimator(offload: OffloadOptions) -> Callable[[List[GroupPlan]], MemoryEstimate]:
+        """The estimate of a plan of the blocks, with ``offload``'s choices (see [Note: memory estimate])."""
+        ranks = [_rank_bytes(groups, offload, r) for r in range(shards)]  # replicas hold the same
+        exact = {key: max(r[key] for r in ranks) for key in ranks[0]}
+        root_grad = sum(b.padded_total * _itemsize(b.dtype) for b in root_buffers if b.requires_grad)
+        largest = sorted((b.padded_bytes for b in block_plans), reverse=True)
+        largest_grad = max((sum(b.padded_total * _itemsize(b.dtype) for b in bufs if b.requires_grad)
+                            for bufs in block_buffers), default=0)
+        gathered = root.padded_bytes + root_grad + sum(largest[:2]) + largest_grad
+        block_dtype = next((b.dtype for bufs in block_buffers for b in bufs), torch.float32)
+        staging = 0
+        if offload.optimizer:
+            grad_size = max((_itemsize(b.dtype) for _, b in groups.in_forward_order()), default=4)
+            # A gradient and a parameter per slot (cudaHostAlloc).
+            staging = offload.chunk_numel * 2 * grad_size * offload.staging_slots
+        host_detail = (("optimizer state", exact["host_state"]), ("pinned staging", staging),
+                       ("parameters and gradients", exact["host_params"]))
 
-    block_grads = [exact[("block grads", i)] for i in range(len(block_buffers))]
-    other_grads = max(r["grads"] - sum(r[("block grads", i)] for i in range(len(block_buffers))) for r in ranks)
+        block_grads = [exact[("block grads", i)] for i in range(len(block_buffers))]
+        other_grads = max(r["grads"] - sum(r[("block grads", i)] for i in range(len(block_buffers))) for r in ranks)
 
-    def estimate(planned: List[GroupPlan]) -> MemoryEstimate:
-        parts = _activations(model, planned, block_dtype, batch_size, seq_len, fused_loss, compiled)
-        loss_peak = backward = None
-        if parts is not None:
-            saved, recompute, loss = parts
-            # At the loss: the root and the next block gathered, the saved activations, the loss.
-            loss_peak = exact["params"] + exact["optimizer"] + root.padded_bytes + sum(largest[:1]) + sum(saved) + loss
-            # Backward runs the blocks last to first: at block i the gradient shards of blocks i and after (and
-            # the root's) are there, and of the activations those saved by blocks i and before.
-            grads_after = list(itertools.accumulate(reversed(block_grads)))[::-1]  # blocks i and after
-            saved_up_to = itertools.accumulate(saved)  # blocks i and before
-            walk = max((other_grads + after + before for after, before in zip(grads_after, saved_up_to)),
-                       default=exact["grads"])
-            backward = exact["params"] + exact["optimizer"] + gathered + walk + recompute
-        return MemoryEstimate(
-            params=exact["params"],
-            grads=exact["grads"],
-            optimizer=exact["optimizer"],
-            gathered=gathered,
-            activations=None if parts is None else sum(parts[0]) + parts[1],
-            host=sum(size for _, size in host_detail),
-            host_detail=host_detail,
-            loss_peak=loss_peak,
-            backward=backward,
-        )
+        def estimate(planned: List[GroupPlan]) -> MemoryEstimate:
+            parts = _activations(model, planned, block_dtype, batch_size, seq_len, fused_loss, compiled)
+            loss_peak = backward = None
+            if parts is not None:
+                saved, recompute, loss = parts
+                # At the loss: the root and the next block gathered, the saved activations, the loss.
+                loss_peak = (exact["params"] + exact["optimizer"] + root.padded_bytes + sum(largest[:1]) + sum(saved)
+                             + loss)
+                # Backward runs the blocks last to first: at block i the gradient shards of blocks i and after (and
+                # the root's) are there, and of the activations those saved by blocks i and before.
+                grads_after = list(itertools.accumulate(reversed(block_grads)))[::-1]  # blocks i and after
+                saved_up_to = itertools.accumulate(saved)  # blocks i and before
+                walk = max((other_grads + after + before for after, before in zip(grads_after, saved_up_to)),
+                           default=exact["grads"])
+                backward = exact["params"] + exact["optimizer"] + gathered + walk + recompute
+            return MemoryEstimate(
+                params=exact["params"],
+                grads=exact["grads"],
+                optimizer=exact["optimizer"],
+                gathered=gathered,
+                activations=None if parts is None else sum(parts[0]) + parts[1],
+                host=sum(size for _, size in host_detail),
+                host_detail=host_detail,
+                loss_peak=loss_peak,
+                backward=backward,
+            )
 
+        return estimate
+
+    if offload.optimizer == "auto" or offload.fraction == "auto":
+        offload = _auto_offload(offload, groups, estimator, block_plans, world_size, max_gpu_memory,
+                                batch_size is not None and seq_len is not None)
+    estimate = estimator(offload)
     if checkpoint == "auto" and max_gpu_memory is not None and batch_size is not None and seq_len is not None:
         block_plans = _keep_what_fits(block_plans, estimate, max_gpu_memory, world_size)
     memory = estimate(block_plans)
