@@ -23,7 +23,7 @@ import math
 import resource
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import transformers
@@ -74,12 +74,21 @@ def compiled_blocks(model: torch.nn.Module) -> str:
     return f"{compiled}/{len(forwards)}"
 
 
-def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> torch.Tensor:
+def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor,
+         manager: Optional[bmt.optim.OptimManager] = None, clip: Optional[float] = None) -> torch.Tensor:
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    if manager is None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+    NORMS.append(manager.clip_grad_norm(optimizer.param_groups, clip).item())  # the global norm, before clipping
+    manager.step()
+    manager.zero_grad()
     return loss
+
+
+NORMS: List[float] = []  # each step's gradient norm, with --clip
 
 
 def profile_step(run: Callable[[], Any]) -> Dict[str, Any]:
@@ -164,9 +173,12 @@ def main() -> None:
                         help="init_distributed(shard_size=...): hybrid sharding in groups of this many ranks")
     parser.add_argument("--optimizer", default="auto",
                         choices=["auto", "adam", "offload", "offload-in-backward", "torch"],
-                        help="auto: bmt.optim.auto_adam (the offload optimizer with offload_fraction='auto' under "
-                             "--max-gpu-memory or offloaded parameters, else adam); the offload ones with "
-                             "--offload-fraction")
+                        help="auto: bmt.optim.auto_adam (on a GPU the offload optimizer with offload_fraction='auto' "
+                             "and step_in_backward='auto': the state that fits stays on the GPU); offload: updates "
+                             "after backward; offload-in-backward: step_in_backward=True; both with --offload-fraction")
+    parser.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
+                        help="clip the global gradient norm to MAX_NORM through bmt.optim.OptimManager, as a "
+                             "fine-tune does")
     parser.add_argument("--offload-threads", type=int, default=None,
                         help="CPU threads of the offloaded update (default: the optimizer's)")
     parser.add_argument("--offload-fraction", default="1.0",
@@ -180,7 +192,7 @@ def main() -> None:
                         help="share of the GPU that offload_fraction='auto' leaves free (default: the optimizer's)")
     args = parser.parse_args()
     if args.auto_headroom is not None:
-        bmt.optim.adam_offload.AUTO_HEADROOM = args.auto_headroom
+        bmt.engine.placement.AUTO_HEADROOM = args.auto_headroom
     fraction = args.offload_fraction if args.offload_fraction == "auto" else float(args.offload_fraction)
 
     ctx = bmt.init_distributed(seed=0, zero_level=args.zero_level, shard_size=args.shard_size)
@@ -194,12 +206,18 @@ def main() -> None:
     compile_option = {"true": True, "false": False, "auto": "auto"}[args.compile]
     # What bmtwrap.plan predicts for this run, printed beside the measured peak.
     offload_params = {"true": True, "false": False}.get(args.offload_params, "auto")
-    offloading = args.optimizer.startswith("offload") or (args.optimizer == "auto" and args.max_gpu_memory is not None)
+    # The plan for the card (or the budget): with --optimizer auto it shows what auto_adam will decide.
+    card = args.max_gpu_memory or torch.cuda.get_device_properties(ctx.device).total_memory
+    plan_optimizer = {"auto": "auto", "adam": False, "torch": False}.get(args.optimizer, True)
     planned = bmt.plan(model, world_size=ctx.world_size, checkpoint=checkpoint, batch_size=args.batch, seq_len=args.seq,
-                       offload_optimizer=offloading, offload_fraction=fraction if offloading and fraction != "auto" else 1.0,
-                       step_in_backward=args.optimizer == "offload-in-backward",
-                       offload_params=offload_params, max_gpu_memory=args.max_gpu_memory,
-                       keep_logits=args.keep_logits, compile=compile_option).memory
+                       offload_optimizer=plan_optimizer, offload_fraction=fraction if plan_optimizer is True else 1.0,
+                       step_in_backward={"offload": False, "offload-in-backward": True}.get(args.optimizer, "auto"),
+                       offload_params=offload_params, max_gpu_memory=card,
+                       keep_logits=args.keep_logits, compile=compile_option)
+    bmt.print_rank(f"plan: optimizer state on the host {planned.offload.fraction:.3f}, "
+                   f"{sum(not b.checkpoint for b in planned.blocks)} blocks kept, "
+                   f"{planned.memory.total / 2**30:.2f} GiB", flush=True)
+    planned = planned.memory
     model = bmt.wrap(model, checkpoint=checkpoint, offload_params=offload_params,
                      max_gpu_memory=args.max_gpu_memory, keep_logits=args.keep_logits, compile=compile_option)
     bmt.materialize(model)
@@ -207,7 +225,7 @@ def main() -> None:
     optimizer = {
         "adam": lambda: bmt.optim.AdamOptimizer(model.parameters(), lr=1e-4),
         "offload": lambda: bmt.optim.AdamOffloadOptimizer(model.parameters(), lr=1e-4,
-                                                          cpu_threads=args.offload_threads,
+                                                          cpu_threads=args.offload_threads, step_in_backward=False,
                                                           offload_fraction=fraction),
         "offload-in-backward": lambda: bmt.optim.AdamOffloadOptimizer(
             model.parameters(), lr=1e-4, step_in_backward=True, cpu_threads=args.offload_threads,
@@ -216,6 +234,10 @@ def main() -> None:
         "auto": lambda: bmt.optim.auto_adam(model.parameters(), lr=1e-4, cpu_threads=args.offload_threads),
     }[args.optimizer]()
     offloading = isinstance(optimizer, bmt.optim.AdamOffloadOptimizer)
+    manager = None
+    if args.clip is not None:
+        manager = bmt.optim.OptimManager()
+        manager.add_optimizer(optimizer)
 
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq),
                         generator=torch.Generator().manual_seed(ctx.rank)).to(ctx.device)
@@ -233,7 +255,7 @@ def main() -> None:
             stats_before = optimizer.offload_stats()
         torch.cuda.synchronize()
         start = time.perf_counter()
-        loss = step(model, optimizer, ids)
+        loss = step(model, optimizer, ids, manager, args.clip)
         torch.cuda.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
@@ -258,7 +280,7 @@ def main() -> None:
                    cpu_adam_melem_s=round(stats["elements"] / max(stats["adam_s"], 1e-9) / 1e6, 1))
     moved = {op: dict(calls=calls // args.steps, gb=round(sent / args.steps / 1e9, 3))
              for op, (calls, sent) in traffic(ctx).items()}  # per step, each rank's share sent
-    busy = profile_step(lambda: step(model, optimizer, ids)) if args.profile else {}
+    busy = profile_step(lambda: step(model, optimizer, ids, manager, args.clip)) if args.profile else {}
     if not math.isfinite(loss.item()):
         raise SystemExit(f"the loss is {loss.item()} after {args.warmup + args.steps} steps: training is broken, "
                          "the timings mean nothing")
@@ -274,6 +296,12 @@ def main() -> None:
         first_step_s=round(first_step_s, 1),
         offload_threads=args.offload_threads,
         offload_fraction=round(optimizer.offload_fraction, 3) if offloading else args.offload_fraction,
+        step_in_backward=("speculative" if getattr(optimizer, "speculative", False) else
+                          getattr(optimizer, "step_in_backward", None)),
+        speculation=getattr(optimizer, "speculation", None), clip=args.clip,
+        grad_norms=[round(n, 3) for n in NORMS[-args.steps:]],
+        auto_report={k: (round(v / 2**30, 2) if isinstance(v, int) and v > 2**20 else v)
+                     for k, v in (getattr(optimizer, "auto_report", None) or {}).items()},
         offload_params=wrapped_record(model).plan.offload.params,
         step_s=round(step_s, 4), tok_s_gpu=round(tokens / step_s, 1),
         mfu=round(per_token * tokens / step_s / PEAK_FLOPS, 4),
@@ -281,6 +309,9 @@ def main() -> None:
         used_gib=round(max(used) / 2**30, 2), max_gpu_memory=args.max_gpu_memory,
         auto_kept_blocks=auto.report.get("kept_blocks") if auto is not None else None,
         auto_predicted_gib=round(auto.report["predicted_peak_bytes"] / 2**30, 2) if auto and auto.report else None,
+        # What checkpoint="auto" predicted for the blocks it kept: the step with all recomputed, and their activations.
+        auto_predicted_kept_gib=(round((auto.report["predicted_peak_bytes"] + auto.report["kept_activation_bytes"])
+                                       / 2**30, 2) if auto and auto.report else None),
         step_peaks_gib=[round(p / 2**30, 1) for p in peaks], loss_peaks_gib=[round(p, 2) for p in loss_peaks],
         loss=round(loss.item(), 4),
         plan_gib=round(planned.total / 2**30, 2), plan_host_gib=round(planned.host / 2**30, 2),
