@@ -296,6 +296,44 @@ def test_streamed_copy_equals_scalar(isa: str, offset: int) -> None:
 
 
 @needs_extension
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("offset, copy_offset", [(0, 0), (3, 0), (5, 1)])
+def test_a_step_written_elsewhere_equals_one_in_place(isa: str, offset: int, copy_offset: int) -> None:
+    # AdamTargets: the new master and moments go to other buffers (streamed from 1 Mi elements on, from their first
+    # aligned element; `offset` moves that boundary, `copy_offset` the copy's against it) and the inputs are only read.
+    skip_unless_cpu_has(isa)
+    ext = ops._ext.require_extension()
+    numel = (1 << 20) + 37
+    gen = torch.Generator().manual_seed(3)
+
+    def buffer(dtype: torch.dtype = torch.float32, at: int = offset) -> torch.Tensor:
+        return torch.zeros(numel + 16, dtype=dtype)[at:at + numel]
+
+    inputs = [buffer() for _ in range(3)]
+    for tensor, scale in zip(inputs, (1.0, 0.1, 0.01)):
+        tensor.copy_(torch.randn(numel, generator=gen).abs() * scale)
+    grad = torch.randn(numel, generator=gen).to(torch.bfloat16)
+    kept = [t.clone() for t in inputs]
+    targets = [buffer() for _ in range(3)]
+    copies = [buffer(torch.bfloat16, copy_offset) for _ in range(2)]
+    code = ops._ext.dtype_code(ext, torch.bfloat16)
+
+    def step(state, copy, **to) -> None:
+        ext.adam_cpu(state[0].data_ptr(), grad.data_ptr(), code, state[1].data_ptr(), state[2].data_ptr(), numel,
+                     1e-3, 0.9, 0.999, 1e-8, 0.1, 4, 0.5, True, copy.data_ptr(), code, 2, getattr(ext.CpuIsa, isa),
+                     **to)
+
+    step(inputs, copies[0], param_target=targets[0].data_ptr(), exp_avg_target=targets[1].data_ptr(),
+         exp_avg_sq_target=targets[2].data_ptr())
+    for name, before, after in zip(("param", "exp_avg", "exp_avg_sq"), kept, inputs):
+        assert_bitwise_equal(after, before, f"{name}: an input written")
+    step(inputs, copies[1])  # the same step in place
+    for name, elsewhere, in_place in zip(("param", "exp_avg", "exp_avg_sq", "out"), [*targets, copies[0]],
+                                         [*inputs, copies[1]]):
+        assert_bitwise_equal(elsewhere, in_place, f"{name} ({isa}, written elsewhere vs in place)")
+
+
+@needs_extension
 def test_concurrent_callers_get_correct_results() -> None:
     # Two Python threads in the kernel at once (the GIL is released): one gets the pool, the other runs on
     # its own thread; both must be right.

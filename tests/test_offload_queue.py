@@ -162,6 +162,54 @@ def test_updates_of_one_buffer_keep_their_order():
     _check_equal(shared, in_order)
 
 
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("numel", [50_001, 3_000_003])  # the larger streams its stores
+def test_an_update_written_elsewhere_leaves_its_inputs_and_alternates_in_order(device, numel):
+    """master_out, exp_avg_out and exp_avg_sq_out receive what an update in place would write, bit for bit, and the
+    inputs stay as they were; two updates that alternate between the two sets of state, under one order key, run
+    in the order they were submitted whatever their priorities."""
+    queue = ops.OffloadQueue(torch.device(device), dtypes={torch.bfloat16}, chunk_numel=1 << 20, slots=2)
+    state = _state(numel, torch.bfloat16, device, 4)
+    before = {k: v.clone() for k, v in state.items()}
+    first, second = dict(lr=1e-2, step=1), dict(lr=3e-3, step=2)
+    after_first = _expected(state, **first)
+    expected = _expected(_expected_inputs_from(after_first, state), **second)
+    spare = {name: torch.full((numel,), float("nan")) for name in ("master", "exp_avg", "exp_avg_sq")}
+    update = _update(state, device, priority=1, **first)
+    targets = dict(master_out=spare["master"], exp_avg_out=spare["exp_avg"], exp_avg_sq_out=spare["exp_avg_sq"])
+    queue.submit([update._replace(**targets, order=7)])
+    # The second reads the spare set and writes back into the first set: it must wait for the first.
+    back = ops.OffloadUpdate(update.param, update.grad, spare["master"], spare["exp_avg"], spare["exp_avg_sq"],
+                             {**HYPER, **second}, 0, state["master"], state["exp_avg"], state["exp_avg_sq"], 7)
+    queue.submit([back])
+    queue.prioritise()
+    queue.wait_all()
+    for name in ("master", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(spare[name], after_first[name]), name
+    _check_equal(state, expected)
+    assert torch.equal(state["grad"], before["grad"])
+
+
+def test_writing_elsewhere_needs_a_separate_master():
+    queue = _one_thread_queue()
+    state = _state(1000, torch.float32, "cpu", 5)
+    update = _update(state, "cpu")  # an fp32 host parameter: its own master
+    with pytest.raises(ValueError, match="its own master .* is updated in place; master_out, exp_avg_out and "
+                                         "exp_avg_sq_out need a separate master"):
+        queue.submit([update._replace(master_out=torch.zeros(1000), exp_avg_out=torch.zeros(1000),
+                                      exp_avg_sq_out=torch.zeros(1000))])
+    state = _state(1000, torch.bfloat16, "cpu", 5)
+    with pytest.raises(ValueError, match="master_out has 999 elements but param has 1000"):
+        queue.submit([_update(state, "cpu")._replace(master_out=torch.zeros(999), exp_avg_out=torch.zeros(1000),
+                                                     exp_avg_sq_out=torch.zeros(1000))])
+
+
+def _expected_inputs_from(result: dict, state: dict) -> dict:
+    """The inputs of an update that starts from ``result`` (a step's outcome) with ``state``'s gradient."""
+    return {"master": result["master"], "exp_avg": result["exp_avg"], "exp_avg_sq": result["exp_avg_sq"],
+            "grad": state["grad"], "param": result["param"]}
+
+
 def test_dropping_the_queue_finishes_its_work():
     queue = ops.OffloadQueue(torch.device("cpu"), dtypes={torch.bfloat16}, chunk_numel=1024, slots=2)
     state = _state(50_000, torch.bfloat16, "cpu", 3)
