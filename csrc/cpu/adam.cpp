@@ -608,7 +608,7 @@ void adam_cpu(std::uintptr_t param_ptr, std::uintptr_t grad_ptr, DType grad_dtyp
     }
     return std::min(numel, lead + numel / threads * t / kSliceAlign * kSliceAlign);
   };
-  parallel_for(threads, [&](int t) { run_range(job, start(t), start(t + 1)); });
+  parallel_for(threads, threads, [&](int t) { run_range(job, start(t), start(t + 1)); });
 }
 
 }  // namespace bmtwrap::cpu
