@@ -1,7 +1,7 @@
 """How fast is bmtwrap's CPU Adam next to torch.optim.AdamW and DeepSpeedCPUAdam, and next to memory speed?
 
     python benchmarks/adam_cpu.py                    # 64 Mi fp32 parameters, torch.get_num_threads() threads
-    python benchmarks/adam_cpu.py --numel 50000000 --steps 9
+    python benchmarks/adam_cpu.py --numel 50000000 --steps 9 --threads 1
     THP_MEM_ALLOC_ENABLE=1 python benchmarks/adam_cpu.py   # torch allocates on transparent huge pages
 
 Protocol (shared/BENCH.md, "CPU Adam"): one optimizer step over --numel fp32 parameters held in one tensor,
@@ -11,7 +11,9 @@ two warm-up steps, then the median of --steps timed steps, for
   - torch.optim.AdamW(foreach=True);
   - DeepSpeed's DeepSpeedCPUAdam (fp32 gradients), when deepspeed is importable ("not installed" otherwise;
     its first use JIT-compiles its kernel, about a minute).
-All run with torch.get_num_threads() threads (DeepSpeed: its OpenMP default, one per core).
+All run with --threads threads (default torch.get_num_threads(), which OMP_NUM_THREADS sets): --threads calls
+torch.set_num_threads, which also sets the OpenMP thread count that DeepSpeed's kernel uses (it runs on
+torch's OpenMP runtime).
 
 Effective bandwidth = bytes per element that one pass must move x elements/s, where a pass reads
 param, grad, exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq (and the copy):
@@ -135,6 +137,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--huge-pages", action="store_true",
                         help="allocate every contender's buffers on transparent huge pages (madvise)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="threads for every contender (default: torch.get_num_threads())")
     parser.add_argument("--numel", type=int, default=64 * 1024 * 1024, help="parameters (default 64 Mi)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps, median reported (default 5)")
@@ -143,6 +147,10 @@ def main() -> None:
     args = parser.parse_args()
     global HUGE_PAGES
     HUGE_PAGES = args.huge_pages
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
 
     torch_adamw = lambda params: torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                                                    foreach=True)
@@ -181,6 +189,9 @@ def main() -> None:
     for name in ("torch.optim.AdamW(foreach=True)", "DeepSpeedCPUAdam"):
         if name in rates:
             print(f"bmtwrap (fp32 grad) / {name}: {ours / rates[name]:.2f}x")
+    if "DeepSpeedCPUAdam" in rates:
+        offload = rates["bmtwrap adam_step_cpu (bfloat16 grad, bf16 copy out)"]
+        print(f"bmtwrap (bf16 grad, bf16 copy out) / DeepSpeedCPUAdam (fp32 grad): {offload / rates['DeepSpeedCPUAdam']:.2f}x")
 
 
 if __name__ == "__main__":

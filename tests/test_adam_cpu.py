@@ -277,6 +277,22 @@ def test_multithreaded_equals_single_threaded(num_threads: int, offset: int) -> 
 
 
 @needs_extension
+def test_pool_serves_jobs_of_changing_width() -> None:
+    # Consecutive steps ask the worker pool for more, then fewer, then more threads than the step before: the
+    # workers a step does not want must stay asleep through it and still serve the next one that wants them.
+    numel = 700_001
+    widths = [8, 2, 5, 1, 8, 3, 2, 8]
+    grads = make_grads(numel, len(widths), torch.float32)
+    expected, state = make_state(numel), make_state(numel)
+    run_steps(expected, grads, num_threads=1)
+    for step, (grad, width) in enumerate(zip(grads, widths), start=1):
+        ops._adam_step_cpu_with(state.param, grad, state.exp_avg, state.exp_avg_sq, **HYPER, weight_decay=0.1,
+                                step=step, num_threads=width, isa="best")
+    for name, actual, wanted in zip(State._fields, state, expected):
+        assert_bitwise_equal(actual, wanted, name)
+
+
+@needs_extension
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
 @pytest.mark.parametrize("offset", [0, 3])
 def test_streamed_copy_equals_scalar(isa: str, offset: int) -> None:

@@ -533,9 +533,14 @@ CpuIsa detect_best_isa() {
 }
 
 // Splitting: each extra thread must have enough elements to pay for waking it (a step over 32 Ki elements
-// moves about 0.9 MiB), and every slice but the last starts on a 64-byte line of `param` and spans a multiple
-// of 64 elements (whole lines of every buffer that is aligned like param), so threads never share a line.
+// moves about 0.9 MiB). The threads then take slices in turn, kSlicesPerThread slices per thread of at least
+// kMinElementsPerSlice each, so that a thread that runs slower (its core shared with the training loop or
+// another process) holds the step up by one slice at most rather than by its whole share. Every slice but the
+// last starts on a 64-byte line of `param` and spans a multiple of 64 elements (whole lines of every buffer
+// that is aligned like param), so threads never share a line.
 constexpr int64_t kMinElementsPerThread = int64_t{1} << 15;
+constexpr int64_t kSlicesPerThread = 8;
+constexpr int64_t kMinElementsPerSlice = int64_t{1} << 16;
 constexpr int64_t kSliceAlign = 64;
 constexpr std::uintptr_t kLineBytes = 64;
 
@@ -661,19 +666,21 @@ void adam_cpu(std::uintptr_t param_ptr, std::uintptr_t grad_ptr, DType grad_dtyp
   const JobRangeFn run_range = job_range_fn(isa == CpuIsa::kBest ? cpu_best_isa() : isa);
 
   const int threads = threads_for(numel, kMinElementsPerThread, num_threads);
+  const auto slices = static_cast<int>(
+      threads == 1 ? 1 : std::clamp<int64_t>(numel / kMinElementsPerSlice, threads, threads * kSlicesPerThread));
   // Slice t is [start(t), start(t + 1)): `lead` elements reach param's first line boundary, then slices of
-  // about numel / threads rounded down to kSliceAlign.
+  // about numel / slices rounded down to kSliceAlign.
   const auto lead = static_cast<int64_t>(((kLineBytes - param_ptr % kLineBytes) % kLineBytes) / sizeof(float));
   auto start = [&](int t) -> int64_t {
     if (t == 0) {
       return 0;
     }
-    if (t == threads) {
+    if (t == slices) {
       return numel;
     }
-    return std::min(numel, lead + numel / threads * t / kSliceAlign * kSliceAlign);
+    return std::min(numel, lead + numel / slices * t / kSliceAlign * kSliceAlign);
   };
-  parallel_for(threads, [&](int t) { run_range(job, start(t), start(t + 1)); });
+  parallel_for(slices, threads, [&](int t) { run_range(job, start(t), start(t + 1)); });
 }
 
 }  // namespace bmtwrap::cpu

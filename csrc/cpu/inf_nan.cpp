@@ -47,7 +47,7 @@ bool has_inf_nan_typed(const Bits* data, int64_t numel, Bits exponent_mask, int 
   const int threads = threads_for(nbytes, kMinBytesPerThread, num_threads);
   // One contiguous slice per thread.
   const int64_t per_slice = (numel + threads - 1) / threads;
-  parallel_for(threads, [&](int slice) {
+  parallel_for(threads, threads, [&](int slice) {
     const int64_t begin = slice * per_slice;
     const int64_t n = std::min(per_slice, numel - begin);
     if (n > 0 && range_has_inf_nan(data + begin, n, exponent_mask, found)) {

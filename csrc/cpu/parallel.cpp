@@ -1,12 +1,16 @@
 // The worker pool behind parallel_for (see parallel.h for the contract).
 //
 // [Note: one job at a time]
-// A job is (task, num_tasks, next_task). The caller publishes it under `mutex_`, bumps `generation_` and
-// wakes the workers; the first `wanted_` workers (by index) take part, every other one goes back to sleep.
-// Participants, the caller included, claim task indices from the atomic `next_task_` until they run out;
-// each participating worker then decrements `participants_`, and the caller returns once that is zero, so
-// no worker can still be touching the job (or the caller's stack that `task` refers to) afterwards.
-// Workers read the job only after taking `mutex_` in the wait, which orders them after its publication.
+// A job is (task, num_tasks, next_task). The caller publishes it under `mutex_`, bumps `generation_`, sets
+// `wanted_` (workers with a smaller index may take part) and wakes exactly those workers, each through its
+// own condition variable, so a job of two threads costs one wake-up however many workers the pool holds.
+// Participants, the caller included, claim task indices from the atomic `next_task_` until they run out.
+// A woken worker joins only while the job is `open_`, counting itself in `active_`, and leaves it
+// decrementing `active_`. Once the caller has run out of tasks it closes the job and waits for `active_` to
+// reach zero: then no worker can still be touching the job (or the caller's stack that `task` refers to),
+// and the caller never waits for a worker that has not yet been scheduled: on a busy machine that can take
+// milliseconds, and by then the caller has done the worker's share. Workers read the job only after taking
+// `mutex_` in the wait, which orders them after its publication.
 #include "cpu/parallel.h"
 
 #include <unistd.h>
@@ -15,6 +19,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <system_error>
 #include <thread>
@@ -37,23 +42,28 @@ class ThreadPool {
   // Held by the caller of run() for the duration of one job (see [Note: one job at a time]).
   std::mutex& busy() { return busy_; }
 
-  // Runs the job on the calling thread and up to num_tasks - 1 workers. The caller holds busy().
-  void run(int num_tasks, TaskRef task) {
+  // Runs the job on the calling thread and up to num_threads - 1 workers. The caller holds busy().
+  void run(int num_tasks, int num_threads, TaskRef task) {
+    int wanted = 0;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      start_workers(num_tasks - 1);
+      start_workers(num_threads - 1);
       task_ = &task;
       num_tasks_ = num_tasks;
       next_task_.store(0, std::memory_order_relaxed);
       error_ = nullptr;
-      wanted_ = std::min<int>(num_tasks - 1, static_cast<int>(workers_.size()));
-      participants_ = wanted_;
+      wanted = std::min<int>(num_threads - 1, static_cast<int>(workers_.size()));
+      wanted_ = wanted;
+      open_ = true;
       ++generation_;
     }
-    wake_.notify_all();
+    for (int index = 0; index < wanted; ++index) {
+      workers_[index]->wake.notify_one();  // workers_ only grows, and only under busy(), which we hold
+    }
     run_tasks();
     std::unique_lock<std::mutex> lock(mutex_);
-    finished_.wait(lock, [this] { return participants_ == 0; });
+    open_ = false;
+    finished_.wait(lock, [this] { return active_ == 0; });
     task_ = nullptr;
     if (error_) {
       std::rethrow_exception(std::exchange(error_, nullptr));
@@ -61,31 +71,39 @@ class ThreadPool {
   }
 
  private:
+  struct Worker {
+    std::condition_variable wake;  // a generation that wants this worker has been published
+    std::thread thread;
+  };
+
   // Under mutex_. Fewer workers than asked for is not an error: the caller runs their share.
   void start_workers(int count) {
-    try {
-      while (static_cast<int>(workers_.size()) < count) {
-        const int index = static_cast<int>(workers_.size());
-        workers_.emplace_back([this, index] { work(index); });
+    while (static_cast<int>(workers_.size()) < count) {
+      const int index = static_cast<int>(workers_.size());
+      Worker& worker = *workers_.emplace_back(std::make_unique<Worker>());
+      try {
+        worker.thread = std::thread([this, index, &worker] { work(index, worker.wake); });
+      } catch (const std::system_error&) {
+        workers_.pop_back();  // out of threads: go on with the workers we have
+        return;
       }
-    } catch (const std::system_error&) {
-      // Out of threads: go on with the workers we have.
     }
   }
 
-  void work(int index) {
+  void work(int index, std::condition_variable& wake) {
     uint64_t seen = 0;
     std::unique_lock<std::mutex> lock(mutex_);
     while (true) {
-      wake_.wait(lock, [&] { return generation_ != seen; });
+      wake.wait(lock, [&] { return generation_ != seen && index < wanted_; });
       seen = generation_;
-      if (index >= wanted_) {
-        continue;  // not needed for this job
+      if (!open_) {
+        continue;  // the caller has run every task already
       }
+      ++active_;
       lock.unlock();
       run_tasks();
       lock.lock();
-      if (--participants_ == 0) {
+      if (--active_ == 0 && !open_) {
         finished_.notify_one();
       }
     }
@@ -108,13 +126,13 @@ class ThreadPool {
 
   const pid_t owner_;
   std::mutex busy_;
-  std::mutex mutex_;                  // guards everything below except next_task_
-  std::condition_variable wake_;      // a new generation_ has been published
-  std::condition_variable finished_;  // participants_ has reached zero
-  std::vector<std::thread> workers_;  // never joined: the pool lives as long as the process
+  std::mutex mutex_;                              // guards everything below except next_task_
+  std::condition_variable finished_;              // active_ has reached zero after the job closed
+  std::vector<std::unique_ptr<Worker>> workers_;  // never joined: the pool lives as long as the process
   uint64_t generation_ = 0;
-  int wanted_ = 0;                    // workers with a smaller index take part in the current job
-  int participants_ = 0;              // of those, how many have not finished it yet
+  int wanted_ = 0;     // workers with a smaller index are woken for the current job
+  bool open_ = false;  // whether a woken worker may still join the current job
+  int active_ = 0;     // workers inside the current job
   const TaskRef* task_ = nullptr;
   int num_tasks_ = 0;
   std::atomic<int> next_task_{0};
@@ -149,10 +167,10 @@ int threads_for(int64_t work_units, int64_t min_units_per_thread, int num_thread
   return static_cast<int>(std::clamp<int64_t>(useful, 1, std::min<int64_t>(available, kMaxThreads)));
 }
 
-void parallel_for(int num_tasks, TaskRef task) {
-  if (num_tasks <= 1) {
-    if (num_tasks == 1) {
-      task(0);
+void parallel_for(int num_tasks, int num_threads, TaskRef task) {
+  if (num_tasks <= 1 || num_threads <= 1) {
+    for (int t = 0; t < num_tasks; ++t) {
+      task(t);
     }
     return;
   }
@@ -164,7 +182,7 @@ void parallel_for(int num_tasks, TaskRef task) {
     }
     return;
   }
-  workers.run(num_tasks, task);
+  workers.run(num_tasks, std::min({num_threads, num_tasks, kMaxThreads}), task);
 }
 
 }  // namespace bmtwrap::cpu

@@ -44,9 +44,11 @@ class TaskRef {
 // thread).
 int threads_for(int64_t work_units, int64_t min_units_per_thread, int num_threads);
 
-// Runs task(0) ... task(num_tasks - 1), each once, spread over the calling thread and num_tasks - 1 pool
-// workers, and returns when all have finished. Tasks are handed out in increasing order as threads become
-// free. The first exception a task throws is rethrown here after every task has finished or been skipped.
-void parallel_for(int num_tasks, TaskRef task);
+// Runs task(0) ... task(num_tasks - 1), each once, spread over the calling thread and up to num_threads - 1
+// pool workers (never more threads than tasks), and returns when all have finished. Tasks are handed out in
+// increasing order as threads become free, so more tasks than threads balance the load when some threads
+// run slower (a core shared with another process, say). The first exception a task throws is rethrown here
+// after every task has finished or been skipped.
+void parallel_for(int num_tasks, int num_threads, TaskRef task);
 
 }  // namespace bmtwrap::cpu
