@@ -57,17 +57,14 @@ import enum
 from dataclasses import dataclass
 from typing import List, Sequence
 
-from .memory import MARGIN
-
 __all__ = ["AUTO_HEADROOM", "FIXED_SEGMENTS_HEADROOM", "HOST_MARGIN", "HOST_MIN_MARGIN", "Candidate", "GradsOnGpu",
            "Measured", "kept_on_gpu", "speculation_share"]
 
-# offload_fraction="auto" leaves this share of the GPU free: the margin checkpoint="auto" keeps (memory.MARGIN), so
-# that the two plan to one limit and the state comes first ([Note: who gets the GPU memory left]); and this much more
-# where the allocator's segments are of fixed size (fragmentation strands memory there). On one H100 (8B, 4 x 2048
-# tokens, benchmarks/RESULTS.md) 8 % left 6 GiB unplanned that checkpoint="auto" then gave to activations, which
-# spare the GPU less time than that state spares the CPU.
-AUTO_HEADROOM = MARGIN
+# offload_fraction="auto" leaves this share of the GPU free, and this much more where the allocator's segments are
+# of fixed size (fragmentation strands memory there). The state cannot give memory back as checkpoint="auto"'s
+# activations can, so it keeps more than that one's margin (memory.MARGIN): on one H100 (8B, 4 x 2048 tokens) the
+# allocator held 4 GiB beyond its tensors at the peak, and with 4 % the card was full to 0.2 GiB.
+AUTO_HEADROOM = 0.08
 FIXED_SEGMENTS_HEADROOM = 0.04
 # Host memory the speculative share leaves free: this share of what is available, at least HOST_MIN_MARGIN.
 HOST_MARGIN = 0.1
