@@ -27,6 +27,26 @@ writing it, which the optimizers do not pay for, since they write lines they hav
 The contenders are timed in turn, round after round (see median_seconds), and the load average is printed:
 on a shared machine, compare figures from one run only.
 
+Measured on the 2-core development machine (AMD EPYC, Zen 3, AVX2, under KVM, 4 KiB pages), 2026-11-28,
+`--numel 50000000 --steps 11 --threads T`, T = 1 and 2 in turn, five runs each, the load average 2.0 to 3.6
+from other work on the machine (which moves every absolute figure by up to 2x from run to run). Ratios are to
+DeepSpeedCPUAdam (0.19.8, fp32 gradients) in the same run:
+
+    M elements/s          threads=1                    threads=2
+    copy ceiling          912-1,394                    830-2,097
+    DeepSpeedCPUAdam      491-709                      500-1,025
+    bmtwrap, fp32 grad    525-841,   1.06-1.40x (1.19) 572-1,109, 1.07-1.29x (1.14)
+    bmtwrap, bf16 + copy  555-780,   1.07-1.29x (1.13) 630-1,065, 1.04-1.37x (1.25)
+    (ranges over the five runs; the ratio's median in brackets)
+
+Four runs each half an hour earlier (load 1.1 to 2.8) gave 1.12-1.19x at one thread and 0.96-1.14x at two. In the
+quietest two-thread run bmtwrap moved 31.0 GB/s (1,109 M/s, 1.08x; the bf16 case 1.04x) beside the copy's
+16.8 GB/s (25 GB/s counting its destination's reads): both optimizers then run at the memory's speed, and the
+step is as fast as the same loads and stores with trivial arithmetic (see [Note: memory traffic] in
+csrc/cpu/adam.cpp), so the margin there is what DeepSpeed's loop leaves below that ceiling, about 8%. With other
+work on the cores the margin at two threads is larger, since a slowed thread holds bmtwrap's step up by one
+slice only (see the splitting in csrc/cpu/adam.cpp).
+
 Prints one ``RESULT {json}`` line per measurement (what, impl, elements_per_s, gbytes_per_s, threads, numel)
 and a table.
 """
@@ -191,7 +211,8 @@ def main() -> None:
             print(f"bmtwrap (fp32 grad) / {name}: {ours / rates[name]:.2f}x")
     if "DeepSpeedCPUAdam" in rates:
         offload = rates["bmtwrap adam_step_cpu (bfloat16 grad, bf16 copy out)"]
-        print(f"bmtwrap (bf16 grad, bf16 copy out) / DeepSpeedCPUAdam (fp32 grad): {offload / rates['DeepSpeedCPUAdam']:.2f}x")
+        ratio = offload / rates["DeepSpeedCPUAdam"]
+        print(f"bmtwrap (bf16 grad, bf16 copy out) / DeepSpeedCPUAdam (fp32 grad): {ratio:.2f}x")
 
 
 if __name__ == "__main__":
