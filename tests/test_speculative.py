@@ -51,10 +51,24 @@ PATHS = {
 
 @pytest.mark.parametrize("name", sorted(PATHS))
 def test_same_training_and_the_path_taken(results, name):
-    speculation = _case(results, name)
+    _check_paths(name, _case(results, name))
+
+
+def _check_paths(name, speculation):
     for what, expected in zip(("kept", "redone", "undone"), PATHS[name]):
         got = speculation[what]
         assert (got > 0) if expected == "+" else (got == 0), f"{name}: {what} = {got}, expected {expected}"
+
+
+HYBRID = ["plain", "clipped", "accumulation_changes", "nonfinite_skipped"]
+
+
+def test_the_same_under_hybrid_sharding():
+    """Shards over groups of 2 of 4 ranks, replicated across the groups: each replica updates the same shards, and
+    every rank keeps or redoes the same updates."""
+    results = run_cases("speculative.py", 4, "cpu", ",".join(HYBRID), env={"BMTWRAP_SHARD_SIZE": "2"})
+    for name in HYBRID:
+        _check_paths(name, _case(results, name))
 
 
 def test_a_skipped_step_is_skipped_by_both(results):
@@ -68,8 +82,5 @@ def test_the_same_on_a_gpu():
     """On a GPU the gradients go to the host on a side stream and the new parameters come back through the offload
     queue's copies: the same training as updates started at the step, bit for bit, on the same paths."""
     results = run_cases("speculative.py", 1, "cuda")
-    for name, paths in PATHS.items():
-        speculation = _case(results, name)
-        for what, expected in zip(("kept", "redone", "undone"), paths):
-            got = speculation[what]
-            assert (got > 0) if expected == "+" else (got == 0), f"{name}: {what} = {got}, expected {expected}"
+    for name in PATHS:
+        _check_paths(name, _case(results, name))

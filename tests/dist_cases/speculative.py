@@ -5,7 +5,8 @@ Each case trains twice from the same values on the same data, in bf16 (the offlo
 and moments on the host), and reports whether every loss and every final parameter is the same bit for bit, and
 how many updates started in backward were kept, redone or undone (so that each case shows which path it took).
 Argument 2 (optional): "cpu" (default) or "cuda" (one GPU per process: the gradients then go to the host on a
-side stream, and the parameters come back through the offload queue's copies).
+side stream, and the parameters come back through the offload queue's copies). Argument 3 (optional): the cases
+to run, comma-separated (default: all).
 """
 
 from __future__ import annotations
@@ -164,4 +165,5 @@ CASES = {
 
 
 if __name__ == "__main__":
-    run(CASES)
+    chosen = sys.argv[3].split(",") if len(sys.argv) > 3 else list(CASES)
+    run({name: CASES[name] for name in chosen})
