@@ -1,19 +1,29 @@
-"""Run a multi-process case script once under torchrun and return what rank 0 reported.
+"""Run a multi-process case script once and return what rank 0 reported.
 
 A case script starts one process group and runs many cases in it (cheap on 2 CPU cores); it
 writes a JSON object {case name: result} to the path given as its only argument.
+
+Where torch sees no GPU, the ranks are forked from tests/fork_server.py, which has imported torch,
+bmtwrap and transformers once for the whole session (see [Note: why fork] there): they get what
+torchrun gives its workers, without the imports. Set BMTWRAP_TEST_LAUNCHER=torchrun to launch every
+job under torchrun instead (for instance to have an environment variable that torch reads when it
+loads take effect); on a GPU machine they always are.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import torch
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -57,21 +67,84 @@ def launch(script: str, world_size: int, out: Path, args: tuple, timeout: int,
         "--master_addr=127.0.0.1", f"--master_port={_free_port()}", *(["-m", runner] if runner else []),
         str(TESTS / "dist_cases" / script), str(out), *args,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}),
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, env=_environment(env), capture_output=True, text=True, timeout=timeout)
+
+
+def _environment(env: Optional[Dict[str, str]]) -> Dict[str, str]:
+    """The ranks' environment: this process's, the job's ``env``, one OpenMP thread, the repository importable."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}),
+                PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")]))
+
+
+class _ForkServer:
+    """tests/fork_server.py, started on first use and stopped when this process exits."""
+
+    def __init__(self) -> None:
+        self._proc: Optional[subprocess.Popen] = None
+        self._log: Optional[Any] = None
+
+    def run(self, script: str, world_size: int, args: tuple, timeout: int, runner: Optional[str],
+            env: Optional[Dict[str, str]]) -> Tuple[int, str]:
+        """Run one job; its exit status and the ranks' output."""
+        if self._proc is None or self._proc.poll() is not None:
+            self._start()
+        assert self._proc is not None and self._proc.stdin is not None and self._proc.stdout is not None
+        with tempfile.NamedTemporaryFile("r", suffix=".log") as log:
+            job = {"script": str(TESTS / "dist_cases" / script), "world_size": world_size, "args": list(args),
+                   "env": _environment(env), "runner": runner, "log": log.name, "timeout": timeout}
+            self._proc.stdin.write(json.dumps(job) + "\n")
+            self._proc.stdin.flush()
+            # The server kills the job at its timeout; this waits a little longer for the answer.
+            ready, _, _ = select.select([self._proc.stdout], [], [], timeout + 60)
+            line = self._proc.stdout.readline() if ready else ""
+            if not line:
+                self.close()
+                raise AssertionError(f"the fork server did not answer for {script}:\n{self._server_output()}")
+            answer = json.loads(line)
+            return answer["returncode"], log.read() + answer.get("error", "")
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+
+    def _start(self) -> None:
+        self._log = tempfile.TemporaryFile("w+")
+        self._proc = subprocess.Popen([sys.executable, str(TESTS / "fork_server.py")], env=_environment(None),
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        atexit.register(self.close)
+
+    def _server_output(self) -> str:
+        if self._log is None:
+            return ""
+        self._log.seek(0)
+        return self._log.read()[-6000:]
+
+
+_FORK_SERVER = _ForkServer()
+
+
+def run_job(script: str, world_size: int, out: Path, args: tuple, timeout: int, runner: Optional[str] = None,
+            env: Optional[Dict[str, str]] = None) -> Tuple[int, str]:
+    """Run ``tests/dist_cases/<script> OUT ARGS...`` on ``world_size`` ranks, forked from the fork server or
+    under torchrun (see the module's docstring); its exit status, non-zero when a rank failed, and the
+    ranks' output."""
+    if os.environ.get("BMTWRAP_TEST_LAUNCHER", "fork") != "torchrun" and not torch.cuda.is_available():
+        return _FORK_SERVER.run(script, world_size, (str(out), *args), timeout, runner, env)
+    proc = launch(script, world_size, out, args, timeout, runner, env=env)
+    return proc.returncode, proc.stdout + proc.stderr
 
 
 def _run_once(script: str, world_size: int, args: tuple, timeout: int, runner: Optional[str],
               env: Optional[Dict[str, str]]) -> Dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        proc = launch(script, world_size, out, args, timeout, runner, env=env)
-        if proc.returncode != 0 and "address already in use" in (proc.stdout + proc.stderr).lower():
+        returncode, output = run_job(script, world_size, out, args, timeout, runner, env)
+        if returncode != 0 and "address already in use" in output.lower():
             raise _PortTaken()
-        if proc.returncode != 0 or not out.exists():
-            tail = (proc.stdout + proc.stderr)[-6000:]
-            raise AssertionError(f"{script} at world size {world_size} failed (exit {proc.returncode}):\n{tail}")
+        if returncode != 0 or not out.exists():
+            raise AssertionError(f"{script} at world size {world_size} failed (exit {returncode}):\n{output[-6000:]}")
         return json.loads(out.read_text())
 
 

@@ -9,7 +9,7 @@ never interrupted, and so do the losses of the steps after the last restart.
 
 import json
 
-from launch import launch, run_cases
+from launch import run_cases, run_job
 
 WORLD = 3
 STEPS = 300
@@ -21,10 +21,10 @@ def test_save_kill_restart_load_every_50_steps_is_bit_exact(tmp_path):
     folder = tmp_path / "ckpt"
     for start in range(0, STEPS - EVERY, EVERY):
         args = [str(folder), str(STEPS), "--save-every", str(EVERY), "--die-at", str(start + EVERY + 7)]
-        proc = launch("soak.py", WORLD, tmp_path / "killed.json", tuple(args + (["--resume"] if start else [])),
-                      timeout=600)
-        assert proc.returncode != 0, f"the run from step {start} was to be killed at step {start + EVERY + 7}"
-        assert "SIGKILL" in proc.stdout + proc.stderr or "-9" in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
+        returncode, output = run_job("soak.py", WORLD, tmp_path / "killed.json",
+                                     tuple(args + (["--resume"] if start else [])), timeout=600)
+        assert returncode != 0, f"the run from step {start} was to be killed at step {start + EVERY + 7}"
+        assert "SIGKILL" in output or "-9" in output, output[-3000:]
         assert not (tmp_path / "killed.json").exists()
         index = json.loads((folder / "index.json").read_text())
         assert index["step"] == start + EVERY, "the checkpoint of the killed run is not the last complete one"

@@ -10,19 +10,24 @@ Two ways to run it, sharing the scenarios below:
   ``transformers.Trainer`` in one process on the whole batch (bmtwrap is not imported), writing
   the same files; then it loads bmtwrap's saved folders with plain transformers and peft.
 
+Both record, before every optimizer step, the trainable parameters and the gradients the optimizer reads
+(``{name}.bmt.steps.pt``, ``{name}.ref.steps.pt``); the reference then computes plain Trainer's gradient at
+bmtwrap's parameters before each step, on the batches it trained on, with what bounds its rounding.
+
 The test compares the two. Every sequence has the same length and every token is a label, so
 each rank's share of a batch holds the same number of label tokens.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import sys
 import traceback
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 from unittest import mock
 
 import torch
@@ -32,6 +37,7 @@ WORK = Path(sys.argv[2])
 REFERENCE = "--reference" in sys.argv
 LLAMA = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
+LORA_RANK = 4
 BATCH, EVAL_BATCH, SEQ = 8, 4, 16  # global batch sizes; sequence length
 PROMPTS = torch.tensor([[5, 17, 33, 2, 60], [41, 8, 19, 77, 3]])  # one per rank for generate()
 PROBE = torch.randint(0, 96, (2, SEQ), generator=torch.Generator().manual_seed(11))  # inputs for logits
@@ -64,7 +70,7 @@ def make_lora(model: T.LlamaForCausalLM) -> Any:
     import peft
 
     torch.manual_seed(1)
-    return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    return peft.get_peft_model(model, peft.LoraConfig(r=LORA_RANK, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
 
 
 def training_args(name: str, world: int, **overrides: Any) -> T.TrainingArguments:
@@ -90,18 +96,196 @@ def losses(trainer: T.Trainer) -> List[List[float]]:
     return [[h["step"], h["loss"], h["grad_norm"]] for h in trainer.state.log_history if "loss" in h]
 
 
+Tensors = Dict[str, torch.Tensor]
+
+
+class RecordSteps(T.TrainerCallback):
+    """Before every optimizer step: each trainable parameter and its gradient as the optimizer reads it (summed
+    over micro-batches and ranks, clipped), at full shape, and each param group's learning rate.
+
+    ``gather(model)`` returns the parameters and the gradients (on every rank under torchrun: a collective).
+    """
+
+    def __init__(self, gather: Callable[[torch.nn.Module], Tuple[Tensors, Tensors]]) -> None:
+        self.gather = gather
+        self.steps: List[Dict[str, Any]] = []
+
+    def on_pre_optimizer_step(self, args: T.TrainingArguments, state: T.TrainerState, control: Any,
+                              model: Any = None, optimizer: Any = None, **kwargs: Any) -> None:
+        params, grads = self.gather(model)
+        self.steps.append({"params": params, "grads": grads, "lr": [g["lr"] for g in optimizer.param_groups]})
+
+
 # --- plain transformers.Trainer in one process --------------------------------------------------------
+
+
+def plain_params_and_grads(model: torch.nn.Module) -> Tuple[Tensors, Tensors]:
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    return ({name: p.detach().clone() for name, p in trainable},
+            {name: p.grad.detach().clone() for name, p in trainable})
+
+
+class RecordingTrainer(T.Trainer):
+    """Plain Trainer that keeps every micro-batch it trains on, by optimizer step, with the token count it
+    divides the loss by."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.micro_batches: List[List[Tuple[Tensors, Any]]] = []
+
+    def training_step(self, model: torch.nn.Module, inputs: Tensors, num_items_in_batch: Any = None) -> torch.Tensor:
+        while len(self.micro_batches) <= self.state.global_step:
+            self.micro_batches.append([])
+        self.micro_batches[self.state.global_step].append((dict(inputs), num_items_in_batch))
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+class AbsoluteTerms:
+    """While active (a context manager), sums for every trainable weight the absolute values of the terms its
+    gradient adds up, in float64 from the fp32 factors (see [Note: the gradient's rounding bound] in
+    tests/test_trainer.py), and counts the terms of each element.
+
+    A Linear's weight gradient is dY^T X over the tokens: |dY|^T |X|. An RMSNorm's weight gradient sums
+    dY * x_normed: |dY| |x_normed|. An Embedding's row i sums, over the tokens of id i, the gradient of the
+    residual stream at the first layer, itself the sum of what each residual branch passes back: the
+    absolute values of those. Every branch starts with an RMSNorm (the decoder layers' two, the final one),
+    so the stream's gradient at one norm's input less that at the next norm's input is the branch between.
+    Only tensor hooks: a module's backward hook would add nodes to autograd's graph, and change the order in
+    which it sums a tensor's gradients.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.sums: Tensors = {}
+        self.counts: Dict[str, int] = {}
+        self._stream: List[Optional[torch.Tensor]] = []  # the residual stream's gradient at each norm's input
+        self._handles: List[Any] = []
+        params = dict(model.named_parameters())
+        for module_name, module in model.named_modules():
+            own = {n: f"{module_name}.{n}" if module_name else n
+                   for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+            if not own:
+                continue
+            for name in own.values():
+                self.sums[name] = torch.zeros_like(params[name], dtype=torch.float64)
+                self.counts[name] = 0
+            if isinstance(module, torch.nn.Linear):
+                hook = self._linear
+            elif isinstance(module, torch.nn.Embedding):
+                hook = self._embedding
+                self._handles += [m.register_forward_pre_hook(self._stream_point) for m in model.modules()
+                                  if type(m).__name__.endswith("RMSNorm")]
+            elif type(module).__name__.endswith("RMSNorm"):
+                hook = self._rms_norm
+            else:
+                raise NotImplementedError(f"{module_name} ({type(module).__name__}) has trainable parameters "
+                                          f"{sorted(own)}: no sum of absolute terms for it")
+            self._handles.append(module.register_forward_hook(functools.partial(hook, own)))
+
+    def __enter__(self) -> "AbsoluteTerms":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _add(self, name: str, terms: torch.Tensor, count: int) -> None:
+        self.sums[name] += terms
+        self.counts[name] += count
+
+    @staticmethod
+    def _rows(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().double().reshape(-1, t.shape[-1])  # (tokens, features)
+
+    def _linear(self, names: Dict[str, str], module: torch.nn.Module, args: Tuple[Any, ...], output: Any) -> None:
+        x = self._rows(args[0]).abs()  # (tokens, in)
+
+        def add(dy: torch.Tensor) -> None:
+            dy = self._rows(dy).abs()  # (tokens, out)
+            self._add(names["weight"], dy.T @ x, dy.shape[0])
+            if "bias" in names:
+                self._add(names["bias"], dy.sum(0), dy.shape[0])
+
+        output.register_hook(add)
+
+    def _rms_norm(self, names: Dict[str, str], module: torch.nn.Module, args: Tuple[Any, ...], output: Any) -> None:
+        x = self._rows(args[0])
+        normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)).abs()
+        output.register_hook(lambda dy: self._add(names["weight"], (self._rows(dy).abs() * normed).sum(0),
+                                                  normed.shape[0]))
+
+    def _stream_point(self, module: torch.nn.Module, args: Tuple[Any, ...]) -> None:
+        index = len(self._stream)
+        self._stream.append(None)
+        if index > 0:  # the first norm's input is the embedding's output: its gradient is the embedding's dy
+            args[0].register_hook(lambda grad: self._stream.__setitem__(index, self._rows(grad)))
+
+    def _embedding(self, names: Dict[str, str], module: torch.nn.Module, args: Tuple[Any, ...], output: Any) -> None:
+        ids = args[0].reshape(-1)
+        self._stream.clear()  # the norms of this forward follow
+
+        def add(dy: torch.Tensor) -> None:  # the last gradient of this backward: every branch has passed back
+            stream = [self._rows(dy), *self._stream[1:]]
+            branches = sum((a - b).abs() for a, b in zip(stream, stream[1:])) + stream[-1].abs()
+            self._add(names["weight"], torch.zeros_like(self.sums[names["weight"]]).index_add_(0, ids, branches),
+                      len(stream) * ids.numel())
+
+        output.register_hook(add)
+
+
+def rounding_depth(config: T.LlamaConfig, lora_rank: int = 0) -> int:
+    """The most roundings on a path from the input to the loss and back, which bounds how many make one factor
+    of a gradient's term (see [Note: the gradient's rounding bound] in tests/test_trainer.py)."""
+    hidden, heads, vocab = config.hidden_size, config.num_attention_heads, config.vocab_size
+    norm = hidden + 4  # sum of squares, mean and epsilon, rsqrt, two products
+    projection = hidden + (lora_rank + 2 if lora_rank else 0)  # an adapter beside it: down, up, scale, add
+    attention = projection + 3 + hidden // heads + (SEQ + 3) + SEQ + hidden + 1  # rope, q k, softmax, p v, o, add
+    mlp = hidden + 4 + config.intermediate_size + 1  # gate (or up), silu and product, down, add
+    head = norm + hidden + vocab + 6  # final norm, lm_head, log-softmax, the mean over tokens
+    return 2 * (config.num_hidden_layers * (2 * norm + attention + mlp) + head)  # forward, then backward
+
+
+def gradient_at(trainer: RecordingTrainer, params: Tensors, micro_batches: List[Tuple[Tensors, Any]]) -> Dict[str, Any]:
+    """Plain Trainer's gradient at ``params`` on one optimizer step's micro-batches: summed (``raw``), the norm it
+    clips by and clipped (``clipped``), with each element's sum of absolute terms and their number."""
+    model = trainer.model
+    named = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in params.items():
+            named[name].copy_(value)
+    model.zero_grad(set_to_none=True)
+    with AbsoluteTerms(model) as terms:
+        for inputs, items in micro_batches:
+            trainer.training_step(model, inputs, items)
+    _, raw = plain_params_and_grads(model)
+    max_norm = trainer.args.max_grad_norm
+    norm = trainer.accelerator.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+    _, clipped = plain_params_and_grads(model)
+    model.zero_grad(set_to_none=True)
+    return {"raw": raw, "clipped": clipped, "norm": float(norm), "terms": terms.sums, "counts": terms.counts}
 
 
 def reference() -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for name, (overrides, _, lora) in SCENARIOS.items():
         model = make_lora(make_model()) if lora else make_model()
-        trainer = T.Trainer(model=model, args=training_args(f"ref_{name}", 1, **overrides), train_dataset=TRAIN,
-                            eval_dataset=EVAL)
+        record = RecordSteps(plain_params_and_grads)
+        trainer = RecordingTrainer(model=model, args=training_args(f"ref_{name}", 1, **overrides),
+                                   train_dataset=TRAIN, eval_dataset=EVAL, callbacks=[record])
         trainer.train()
         out[name] = {"losses": losses(trainer), "eval_loss": trainer.evaluate()["eval_loss"]}
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, WORK / f"{name}.ref.pt")
+        # Then plain Trainer's gradient at bmtwrap's parameters before each of its steps, on the same batches.
+        ours = torch.load(WORK / f"{name}.bmt.steps.pt")
+        names = {id(p): n for n, p in model.named_parameters()}
+        torch.save({
+            "steps": record.steps,
+            "at_ours": [gradient_at(trainer, step["params"], batches)
+                        for step, batches in zip(ours, trainer.micro_batches)],
+            "groups": [{"names": [names[id(p)] for p in group["params"]], "weight_decay": group["weight_decay"],
+                        "betas": group["betas"], "eps": group["eps"]} for group in trainer.optimizer.param_groups],
+            "max_grad_norm": trainer.args.max_grad_norm,
+            "depth": rounding_depth(model.config, LORA_RANK if lora else 0),
+        }, WORK / f"{name}.ref.steps.pt")
     out["loaded_model"] = reported(load_saved_model)
     out["loaded_adapter"] = reported(load_saved_adapter)
     return out
@@ -168,6 +352,13 @@ def save_on_rank0(tensors: Dict[str, torch.Tensor], path: Path) -> None:
         torch.save({k: v.cpu() for k, v in tensors.items()}, path)
 
 
+def sharded_params_and_grads(model: torch.nn.Module) -> Tuple[Tensors, Tensors]:
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    params = bmt.full_state_dict(model, with_buffers=False, select=trainable.__contains__)
+    grads = {name: grad for name, grad in bmt.full_grad_dict(model).items() if name in trainable}
+    return params, grads
+
+
 TRAINED: Dict[str, Trainer] = {}  # each scenario's Trainer, for the cases that save its model
 
 
@@ -177,9 +368,12 @@ def scenario(name: str) -> Callable[[], Dict[str, Any]]:
     def case() -> Dict[str, Any]:
         model = make_lora(make_model()) if lora else make_model()
         args = args_for(f"bmt_{name}", **overrides)
-        trainer = Trainer(model=model, args=args, train_dataset=TRAIN, eval_dataset=EVAL,
+        record = RecordSteps(sharded_params_and_grads)
+        trainer = Trainer(model=model, args=args, train_dataset=TRAIN, eval_dataset=EVAL, callbacks=[record],
                           processing_class=tokenizer() if name == "accumulate_and_clip" else None, **options)
         trainer.train()
+        if bmt.rank() == 0:
+            torch.save(record.steps, WORK / f"{name}.bmt.steps.pt")
         result = {"losses": losses(trainer), "eval_loss": trainer.evaluate()["eval_loss"],
                   "ddp": any(isinstance(m, torch.nn.parallel.DistributedDataParallel)
                              for m in (trainer.model, trainer.model_wrapped)),
