@@ -204,3 +204,31 @@ def test_the_plan_shows_what_auto_adam_keeps_on_a_card():
 def test_auto_adam_takes_the_offload_optimizer_on_a_gpu_only():
     model = bmt.wrap(Model())
     assert type(bmt.optim.auto_adam(model.parameters())) is bmt.optim.AdamOptimizer  # the CPU: nothing to spare
+
+
+def test_an_optimizer_whose_state_cannot_fit_says_so_before_making_it(monkeypatch):
+    model = bmt.wrap(Model())
+    opt = bmt.optim.AdamOptimizer(model.parameters(), lr=1e-2)
+    gpu = torch.device("cuda", 0)
+    # A card with 64 KiB left, less than this model's fp32 state (8 bytes per element); then exactly that.
+    monkeypatch.setattr(opt, "_state_device", lambda p: gpu)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (64 * 1024, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
+    params = list(model.parameters())
+    needed = 8 * sum(p.numel() for p in params)
+    with pytest.raises(torch.OutOfMemoryError, match=f"AdamOptimizer: its state \\(fp32 master and moments\\) needs "
+                       f"{needed / 2**30:.1f} GiB on cuda:0, which has 0.0 GiB left; nothing was made or updated. "
+                       "bmtwrap.optim.auto_adam"):
+        opt._check_room(params)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (needed, 80 * GIB))
+    opt._check_room(params)  # exactly enough: no error
+
+
+def test_bad_step_in_backward_is_refused():
+    model = bmt.wrap(Model())
+    with pytest.raises(ValueError, match="step_in_backward must be one of False, True, 'speculative', 'auto', "
+                                         "got 'always'"):
+        bmt.optim.AdamOffloadOptimizer(model.parameters(), step_in_backward="always")
+    with pytest.raises(ValueError, match="offload_optimizer must be True, False or 'auto', got 'yes'"):
+        bmt.plan(Model(), offload_optimizer="yes")

@@ -57,14 +57,13 @@ class AdamOptimizer(_AdamBase):
 
         Args:
             closure: re-evaluates the model and returns the loss, as for any torch optimizer.
-            grad_scale: gradients are multiplied by it as they are read (times what
-                ``scale_next_step()`` gave).
+            grad_scale: gradients are multiplied by it as they are read.
             assume_finite: skip the check for non-finite gradients (the caller made it).
 
         Raises:
             NonFiniteGradientError: a gradient holds an inf or a NaN (``nonfinite="raise"``).
         """
-        loss, work = self._prepare(closure, self._take_scale(grad_scale), assume_finite)
+        loss, work = self._prepare(closure, grad_scale, assume_finite)
         if work is None:
             return loss
         for p, state, hyper in work:

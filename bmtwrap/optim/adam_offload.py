@@ -229,6 +229,7 @@ class AdamOffloadOptimizer(BackwardOverlap, _AdamBase):
         self._handover_flags = {}
         self._in_step = False
         self._accumulating = False
+        self._handed_scaled = False  # scale_handed_gradients changed this step's handed-over gradients
         self._passes_per_step: Optional[int] = None
         self._passes_at_step = engine().passes_done if is_initialized() else 0
         if is_initialized() and (self.step_in_backward or self.speculative or self._auto_fraction):
@@ -407,6 +408,19 @@ class AdamOffloadOptimizer(BackwardOverlap, _AdamBase):
         Adam kernel, stalled on gradient copies, idle; and the elements updated."""
         return self._offload.stats()
 
+    @torch.no_grad()
+    def scale_handed_gradients(self, factor: torch.Tensor) -> None:
+        """Multiply the gradients this optimizer took off ``.grad`` in this step's backward by ``factor`` (a 0-dim
+        clipping coefficient) in place, as ``.grad.mul_(factor)`` does to the others, rounding alike (see
+        ``optim_manager.clip_grads_with_norm``); the updates started on them are then redone."""
+        if float(factor) == 1.0 or not self._handed:
+            return
+        factor = factor.detach().cpu()
+        for handed in self._handed.values():
+            handed.host_ready()
+            handed.host.mul_(factor)
+        self._handed_scaled = True
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's; gradients handed over during backward and updates started on them are dropped (a step that
         is skipped: the parameters get back the values they had)."""
@@ -450,7 +464,8 @@ class AdamOffloadOptimizer(BackwardOverlap, _AdamBase):
         updates, params = [], []
         for (p, state, hyper), grad in zip(work, grads):
             started = self._started.pop(id(p), None)
-            if started is not None and started.hyper == hyper and started.grad.data_ptr() == grad.data_ptr():
+            if (started is not None and started.hyper == hyper and started.grad.data_ptr() == grad.data_ptr()
+                    and not self._handed_scaled):
                 self._swap_state(p, state)  # the update started in backward is this step's
                 self.speculation["kept"] += 1
                 continue
@@ -520,8 +535,7 @@ class AdamOffloadOptimizer(BackwardOverlap, _AdamBase):
 
         Args:
             closure: re-evaluates the model and returns the loss, as for any torch optimizer.
-            grad_scale: gradients are multiplied by it as they are read (times what
-                ``scale_next_step()`` gave).
+            grad_scale: gradients are multiplied by it as they are read.
             assume_finite: skip the check for non-finite gradients (the caller made it).
 
         Returns:
@@ -532,7 +546,6 @@ class AdamOffloadOptimizer(BackwardOverlap, _AdamBase):
             NonFiniteGradientError: a gradient holds an inf or a NaN (``nonfinite="raise"``).
             MemoryError: at the first step, the host cannot hold the state left to it.
         """
-        grad_scale = self._take_scale(grad_scale)
         if self.step_in_backward and grad_scale != 1.0:
             raise ValueError("AdamOffloadOptimizer(step_in_backward=True) updated the blocks during backward "
                              f"with the gradients as they were; it cannot apply grad_scale={grad_scale} (loss "

@@ -100,17 +100,6 @@ class _AdamBase(torch.optim.Optimizer):
         self._who = who
         self.nonfinite = nonfinite
         self.skipped_steps = 0  # steps skipped for non-finite gradients (nonfinite="skip")
-        self._pending_scale = 1.0  # clipping coefficients given with scale_next_step()
-
-    def scale_next_step(self, factor: float) -> None:
-        """Multiply the gradients the next ``step()`` applies by ``factor`` (a clipping coefficient) as they are
-        read, instead of in ``.grad`` (see ``optim_manager.clip_grads_with_norm``)."""
-        self._pending_scale *= float(factor)
-
-    def _take_scale(self, grad_scale: float) -> float:
-        """``grad_scale`` times what ``scale_next_step()`` gave since the last step."""
-        grad_scale, self._pending_scale = grad_scale * self._pending_scale, 1.0
-        return grad_scale
 
     # Loading keeps fp32 state fp32: torch's Optimizer.load_state_dict would cast it to each
     # parameter's dtype, rounding the master copy of a bf16 model to bf16.

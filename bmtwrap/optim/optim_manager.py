@@ -331,19 +331,15 @@ def grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.T
 def clip_grads_with_norm(params: Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor,
                          optimizers: Iterable[torch.optim.Optimizer] = ()) -> None:
     """Scale the gradients of ``params`` by ``min(1, max_norm / (total_norm + 1e-6))``, as
-    ``torch.nn.utils.clip_grads_with_norm_`` does, the coefficient computed the same way.
-
-    The parameters of bmtwrap's optimizers among ``optimizers`` (those with ``scale_next_step``) are not
-    touched: their optimizer applies the coefficient as it reads each gradient in its next step, which
-    also covers gradients an offload optimizer took over during backward. Every other gradient is
-    multiplied in place.
+    ``torch.nn.utils.clip_grads_with_norm_`` does: the coefficient computed the same way, ``.grad``
+    multiplied in place; so are those an offload optimizer among ``optimizers`` took off ``.grad`` during
+    backward, where it keeps them (``scale_handed_gradients``).
     """
+    params = list(params)
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    scaled = set()
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
     for optimizer in optimizers:
-        if hasattr(optimizer, "scale_next_step"):
-            optimizer.scale_next_step(coef.item())
-            scaled.update(id(p) for group in optimizer.param_groups for p in group["params"])
-    rest = [p.grad for p in params if id(p) not in scaled and p.grad is not None]
-    if rest:
-        torch._foreach_mul_(rest, coef.to(rest[0].device))
+        if hasattr(optimizer, "scale_handed_gradients"):
+            optimizer.scale_handed_gradients(coef)

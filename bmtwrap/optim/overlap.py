@@ -63,6 +63,7 @@ class BackwardOverlap:
     _host_grad_stream: Optional["torch.cuda.Stream"]
     _handover_flags: Dict[torch.device, torch.Tensor]
     _in_step: bool
+    _handed_scaled: bool
     _accumulating: bool
     _backward_flags: Dict[torch.device, torch.Tensor]
     _auto_fraction: bool
@@ -191,6 +192,7 @@ class BackwardOverlap:
         self._handed = {}
         self._started = {}
         self._handover_flags = {}
+        self._handed_scaled = False
 
     def _swap_state(self, p: torch.Tensor, state: Dict[str, Any]) -> None:
         """The spare set becomes ``p``'s state (written by a finished or queued update), the state the spare."""
