@@ -129,9 +129,12 @@ def _fork(log_fd: int, env: Dict[str, str], body: Callable[[], int]) -> int:
         os._exit(code)
 
 
-def _host_store(port: int) -> int:
-    """The job's TCPStore, in a process of its own until it is killed (torchrun's agent hosts it likewise)."""
+def _host_store(port: int, ready: int) -> int:
+    """The job's TCPStore, in a process of its own until it is killed (torchrun's agent hosts it likewise); writes
+    one byte to the pipe ``ready`` once it listens."""
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(minutes=30))
+    os.write(ready, b"1")
+    os.close(ready)
     while store is not None:
         time.sleep(3600)
     return 0
@@ -156,7 +159,17 @@ def launch(job: Dict[str, Any]) -> int:
             store, ranks = None, [_fork(log.fileno(), env, lambda: _run_main(job))]
         else:
             world_size, port = job["world_size"], _free_port()
-            store = _fork(log.fileno(), env, lambda: _host_store(port))
+            ready, told = os.pipe()
+            store = _fork(log.fileno(), env, lambda: _host_store(port, told))
+            os.close(told)
+            with os.fdopen(ready, "rb") as listening:
+                started = listening.read(1) == b"1"  # nothing: the store process ended without listening
+            if not started:
+                _kill([store])
+                os.waitpid(store, 0)
+                # Another process took the port between _free_port() and the store: tests/launch.py tries again.
+                _note(job["log"], f"the store could not listen on port {port}: address already in use")
+                return 1
             ranks = [_fork(log.fileno(), {**env, **_rank_environment(rank, world_size, port)},
                            lambda: _run_main(job)) for rank in range(world_size)]
     deadline = time.monotonic() + job["timeout"]
