@@ -20,9 +20,10 @@ torch sees no GPU). OMP_NUM_THREADS=1, as torchrun sets it for several processes
 process's environment before torch loads.
 
 Protocol (one job at a time): tests/launch.py writes one JSON line per launch to this process's stdin,
-``{"script", "world_size", "args", "env", "runner", "log", "timeout"}``; the ranks' stdout and stderr go
-to the file ``log``; this process answers one JSON line ``{"returncode": ...}`` (-9 after a timeout),
-and exits at the end of its input.
+``{"script", "world_size", "args", "env", "runner", "log", "timeout"}``, or ``{"code", "args", "cwd", "env",
+"log", "timeout"}`` for a single process that runs ``code`` as ``python -c`` would, outside any job; the
+processes' stdout and stderr go to the file ``log``; this process answers one JSON line
+``{"returncode": ...}`` (-9 after a timeout), and exits at the end of its input.
 """
 
 from __future__ import annotations
@@ -87,17 +88,21 @@ def _become(log_fd: int, env: Dict[str, str]) -> None:
     os.environ.update(env)
 
 
-def _run_rank(job: Dict[str, Any]) -> int:
-    """Run the job's script (or its runner module) as ``__main__``; its exit status."""
-    script, args, runner = job["script"], job["args"], job["runner"]
+def _run_main(job: Dict[str, Any]) -> int:
+    """Run the job's script, its runner module or its code as ``__main__``; its exit status."""
     try:
-        if runner:
-            sys.argv = [runner, script, *args]
-            runpy.run_module(runner, run_name="__main__", alter_sys=True)
+        if "code" in job:  # as `python -c CODE` in the job's folder
+            os.chdir(job["cwd"])
+            sys.argv = ["-c", *job["args"]]
+            sys.path.insert(0, "")
+            exec(compile(job["code"], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        elif job["runner"]:
+            sys.argv = [job["runner"], job["script"], *job["args"]]
+            runpy.run_module(job["runner"], run_name="__main__", alter_sys=True)
         else:
-            sys.argv = [script, *args]
-            sys.path.insert(0, os.path.dirname(script))  # as `python script.py` would
-            runpy.run_path(script, run_name="__main__")
+            sys.argv = [job["script"], *job["args"]]
+            sys.path.insert(0, os.path.dirname(job["script"]))  # as `python script.py` would
+            runpy.run_path(job["script"], run_name="__main__")
         return 0
     except SystemExit as exit_:
         if exit_.code is None or isinstance(exit_.code, int):
@@ -124,9 +129,12 @@ def _fork(log_fd: int, env: Dict[str, str], body: Callable[[], int]) -> int:
         os._exit(code)
 
 
-def _host_store(port: int) -> int:
-    """The job's TCPStore, in a process of its own until it is killed (torchrun's agent hosts it likewise)."""
+def _host_store(port: int, ready: int) -> int:
+    """The job's TCPStore, in a process of its own until it is killed (torchrun's agent hosts it likewise); writes
+    one byte to the pipe ``ready`` once it listens."""
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(minutes=30))
+    os.write(ready, b"1")
+    os.close(ready)
     while store is not None:
         time.sleep(3600)
     return 0
@@ -141,15 +149,29 @@ def _kill(pids: List[int]) -> None:
 
 
 def launch(job: Dict[str, Any]) -> int:
-    """Fork the job's store and ranks, wait for the ranks (killing them after the timeout, or a few seconds
-    after one failed), then kill the store; the job's exit status as torchrun's: the first failing rank's."""
+    """Fork the job's store and ranks (or, for ``code``, one process of no job), wait for the ranks (killing
+    them after the timeout, or a few seconds after one failed), then kill the store; the job's exit status as
+    torchrun's: the first failing rank's."""
     assert threading.active_count() == 1, "a thread in the fork server: forking is not safe"
-    world_size, env = job["world_size"], job["env"]
-    port = _free_port()
+    env = job["env"]
     with open(job["log"], "ab") as log:
-        store = _fork(log.fileno(), env, lambda: _host_store(port))
-        ranks = [_fork(log.fileno(), {**env, **_rank_environment(rank, world_size, port)}, lambda: _run_rank(job))
-                 for rank in range(world_size)]
+        if "code" in job:
+            store, ranks = None, [_fork(log.fileno(), env, lambda: _run_main(job))]
+        else:
+            world_size, port = job["world_size"], _free_port()
+            ready, told = os.pipe()
+            store = _fork(log.fileno(), env, lambda: _host_store(port, told))
+            os.close(told)
+            with os.fdopen(ready, "rb") as listening:
+                started = listening.read(1) == b"1"  # nothing: the store process ended without listening
+            if not started:
+                _kill([store])
+                os.waitpid(store, 0)
+                # Another process took the port between _free_port() and the store: tests/launch.py tries again.
+                _note(job["log"], f"the store could not listen on port {port}: address already in use")
+                return 1
+            ranks = [_fork(log.fileno(), {**env, **_rank_environment(rank, world_size, port)},
+                           lambda: _run_main(job)) for rank in range(world_size)]
     deadline = time.monotonic() + job["timeout"]
     running, returncode = list(ranks), 0
     while running:
@@ -172,8 +194,9 @@ def launch(job: Dict[str, Any]) -> int:
             returncode = returncode or -signal.SIGKILL
             deadline = float("inf")  # reap them
         time.sleep(POLL_S if running else 0)
-    _kill([store])
-    os.waitpid(store, 0)
+    if store is not None:
+        _kill([store])
+        os.waitpid(store, 0)
     return returncode
 
 

@@ -83,23 +83,21 @@ class _ForkServer:
         self._proc: Optional[subprocess.Popen] = None
         self._log: Optional[Any] = None
 
-    def run(self, script: str, world_size: int, args: tuple, timeout: int, runner: Optional[str],
-            env: Optional[Dict[str, str]]) -> Tuple[int, str]:
-        """Run one job; its exit status and the ranks' output."""
+    def run(self, job: Dict[str, Any], timeout: int) -> Tuple[int, str]:
+        """Run one job (see tests/fork_server.py for its keys, less ``log`` and ``timeout``); its exit status and
+        the output of its processes."""
         if self._proc is None or self._proc.poll() is not None:
             self._start()
         assert self._proc is not None and self._proc.stdin is not None and self._proc.stdout is not None
         with tempfile.NamedTemporaryFile("r", suffix=".log") as log:
-            job = {"script": str(TESTS / "dist_cases" / script), "world_size": world_size, "args": list(args),
-                   "env": _environment(env), "runner": runner, "log": log.name, "timeout": timeout}
-            self._proc.stdin.write(json.dumps(job) + "\n")
+            self._proc.stdin.write(json.dumps({**job, "log": log.name, "timeout": timeout}) + "\n")
             self._proc.stdin.flush()
             # The server kills the job at its timeout; this waits a little longer for the answer.
             ready, _, _ = select.select([self._proc.stdout], [], [], timeout + 60)
             line = self._proc.stdout.readline() if ready else ""
             if not line:
                 self.close()
-                raise AssertionError(f"the fork server did not answer for {script}:\n{self._server_output()}")
+                raise AssertionError(f"the fork server did not answer for {job}:\n{self._server_output()}")
             answer = json.loads(line)
             return answer["returncode"], log.read() + answer.get("error", "")
 
@@ -130,10 +128,28 @@ def run_job(script: str, world_size: int, out: Path, args: tuple, timeout: int, 
     """Run ``tests/dist_cases/<script> OUT ARGS...`` on ``world_size`` ranks, forked from the fork server or
     under torchrun (see the module's docstring); its exit status, non-zero when a rank failed, and the
     ranks' output."""
-    if os.environ.get("BMTWRAP_TEST_LAUNCHER", "fork") != "torchrun" and not torch.cuda.is_available():
-        return _FORK_SERVER.run(script, world_size, (str(out), *args), timeout, runner, env)
+    if _forks():
+        return _FORK_SERVER.run({"script": str(TESTS / "dist_cases" / script), "world_size": world_size,
+                                 "args": [str(out), *args], "runner": runner, "env": _environment(env)}, timeout)
     proc = launch(script, world_size, out, args, timeout, runner, env=env)
     return proc.returncode, proc.stdout + proc.stderr
+
+
+def run_python(code: str, *args: str, env: Optional[Dict[str, str]] = None, cwd: Path = ROOT,
+               timeout: int = 300) -> Tuple[int, str]:
+    """``python -c code args...`` in ``cwd``, a process of its own outside any job (forked from the fork server
+    where jobs are: every module loaded, nothing run); its exit status and output (stdout and stderr together).
+    ``env``: the whole environment (default: this process's, with the repository importable)."""
+    environment = env if env is not None else _environment(None)
+    if _forks():
+        return _FORK_SERVER.run({"code": code, "args": list(args), "cwd": str(cwd), "env": environment}, timeout)
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=environment, capture_output=True,
+                          text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def _forks() -> bool:
+    return os.environ.get("BMTWRAP_TEST_LAUNCHER", "fork") != "torchrun" and not torch.cuda.is_available()
 
 
 def _run_once(script: str, world_size: int, args: tuple, timeout: int, runner: Optional[str],

@@ -1,5 +1,6 @@
 """BMTrain's helper names: ParameterInitializer, config, inspect, nccl, PipelineTransformerBlockList,
-and the ``bmtrain`` import alias. Each case runs in a fresh process (a world of one)."""
+and the ``bmtrain`` import alias. Each case runs in a process of its own (a world of one), started by
+tests/launch.py's run_python."""
 
 from __future__ import annotations
 
@@ -11,14 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from launch import run_python
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(code: str) -> str:
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
+    returncode, output = run_python(textwrap.dedent(code))
+    assert returncode == 0, output
+    return output
 
 
 def test_parameter_initializer_matches_unsharded_call() -> None:

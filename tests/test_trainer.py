@@ -45,7 +45,7 @@ pytest.importorskip("peft")
 import transformers as T  # noqa: E402
 
 from adamw_replay import U, AdamWGroup, deviation_bound, gamma, replay  # noqa: E402
-from launch import ROOT, TESTS, run_cases  # noqa: E402
+from launch import ROOT, TESTS, run_cases, run_python  # noqa: E402
 
 SCENARIOS = ["accumulate_and_clip", "no_clipping", "offload", "lora"]
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
@@ -365,10 +365,9 @@ def test_ddp_timeout_warns_only_when_set_and_not_in_effect(tmp_path):
     # torchrun's variables for a world of one; port 0: the store of rank 0 picks a free one
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT="0", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", TIMEOUT_SCRIPT, str(tmp_path)], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    seen = json.loads(proc.stdout.splitlines()[-1])
+    returncode, output = run_python(TIMEOUT_SCRIPT, str(tmp_path), env=env)
+    assert returncode == 0, output[-6000:]
+    seen = json.loads(output.splitlines()[-1])
     assert seen["default"] == [], "a warning about a timeout nobody set"
     (message, where), = seen["set_later"]
     assert re.fullmatch(r"TrainingArguments\(ddp_timeout=60\) has no effect: the process group was made before this "

@@ -546,7 +546,8 @@ def frozen_grads_held(model: nn.Module) -> int:
 
 def check(case: Case, dtype_name: str, result: Dict[str, Any]) -> None:
     """Run one case in one precision, filling ``result`` as it goes (so a failure still reports
-    what came before)."""
+    what came before). Every rank trains the wrapped model; rank 0, whose result is reported, alone
+    runs the reference (on every rank it would be the same whole-batch work, times the world size)."""
     dtype, reference = DTYPES[dtype_name], REFERENCE[dtype_name]
     result.update(dtype=dtype_name, reference=reference)
     torch.manual_seed(0)
@@ -569,63 +570,69 @@ def check(case: Case, dtype_name: str, result: Dict[str, Any]) -> None:
     opt_ref, opt = make(ref.parameters()), make(model.parameters())
     if case.fail_once:
         result["injected"] = failed_backward(case, model, plan.block_names[0], dtype)
-    result.update(loss_rel_per_step=[], grad_rel_per_step=[], grad_raw_rel_per_step=[], grad_keys_match=True)
-    worst: Optional[GradDiff] = None
-    worst_raw: Optional[GradDiff] = None
-    frozen_with_grad: List[str] = []
-    adapters_without_grad: List[str] = []
+    result.update(loss_rel_per_step=[], grad_rel_per_step=[], grad_raw_rel_per_step=[], grad_keys_match=True,
+                  frozen_with_grad=[], lora_without_grad=[])
+    reporting = bmt.rank() == 0
     for step in range(STEPS):
         batch = in_dtype(case.batch(step), dtype)
-        opt_ref.zero_grad()
         opt.zero_grad()
-        ref_loss = reference_step(case, ref, batch, reference)
+        if reporting:
+            opt_ref.zero_grad()
+            ref_loss = reference_step(case, ref, batch, reference)
         loss = case.loss(model, my_share(batch))
         loss.backward()
         mean = bmt.sum_loss(loss).double().item()
-        result["loss_rel_per_step"].append(abs(mean - ref_loss) / abs(ref_loss))
-        result["loss_rel"] = max(result["loss_rel_per_step"])
         grads = bmt.full_grad_dict(model)
-        result["grad_keys_match"] &= sorted(grads) == sorted(n for n, _ in ref.named_parameters())
-        diff, raw = worst_grads(grads, ref)
-        result["grad_rel_per_step"].append(diff.rel)
-        result["grad_raw_rel_per_step"].append(raw.raw_rel)
-        if worst is None or diff.rel > worst.rel:
-            worst = diff
-            result.update(grad_worst=diff.name, grad_rel=diff.rel, grad_worst_raw_rel=diff.raw_rel,
-                          grad_worst_abs=diff.diff, grad_worst_scale=diff.scale, grad_floor=diff.floor,
-                          grad_worst_step=step)
-        if worst_raw is None or raw.raw_rel > worst_raw.raw_rel:
-            worst_raw = raw
-            result.update(grad_raw_worst=raw.name, grad_raw_rel=raw.raw_rel, grad_raw_worst_abs=raw.diff,
-                          grad_raw_worst_scale=raw.scale, grad_raw_worst_step=step)
-        if case.lora:
-            frozen_with_grad += [n for n in frozen if ref.get_parameter(n).grad is not None or grads[n].any()]
-            if frozen_grads_held(model):
-                frozen_with_grad.append(f"<step {step}: a frozen parameter holds a local gradient>")
-            adapters_without_grad += [n for n in trainable if ref.get_parameter(n).grad is None]
-        # The reference's AdamW steps on our gradients (see [Note: one trajectory]).
-        with torch.no_grad():
-            for name, p in ref.named_parameters():
-                if p.grad is not None:
-                    p.grad.copy_(grads[name])
+        frozen_held = bool(case.lora and frozen_grads_held(model))
+        if reporting:
+            compare_step(case, ref, step, abs(mean - ref_loss) / abs(ref_loss), grads, frozen_held, result)
         opt.step()
-        opt_ref.step()
         ours = bmt.full_state_dict(model)
-        worst_name, worst_abs = worst_param(ours, ref.state_dict())
-        if worst_abs > result.get("param_abs", -1.0):
-            result.update(param_worst=worst_name, param_abs=worst_abs, param_worst_step=step)
-        with torch.no_grad():  # the next step starts from our parameters, whatever the last one made of them
-            for name, p in ref.named_parameters():
-                p.copy_(ours[name])
+        if reporting:
+            opt_ref.step()
+            worst_name, worst_abs = worst_param(ours, ref.state_dict())
+            if worst_abs > result.get("param_abs", -1.0):
+                result.update(param_worst=worst_name, param_abs=worst_abs, param_worst_step=step)
+            with torch.no_grad():  # the next step starts from our parameters, whatever the last one made of them
+                for name, p in ref.named_parameters():
+                    p.copy_(ours[name])
 
-    ref_state = ref.state_dict()
-    result["keys_match"] = sorted(ours) == sorted(ref_state)
+    result["keys_match"] = sorted(ours) == sorted(ref.state_dict())
     if case.lora:
         result["n_trainable"], result["n_frozen"] = len(trainable), len(frozen)
         result["trainable_not_lora"] = [n for n in trainable if "lora_" not in n]
-        result["lora_without_grad"] = sorted(set(adapters_without_grad))
-        result["frozen_with_grad"] = sorted(set(frozen_with_grad))
+        result["lora_without_grad"] = sorted(set(result["lora_without_grad"]))
+        result["frozen_with_grad"] = sorted(set(result["frozen_with_grad"]))
         result["frozen_changed"] = [n for n in frozen if not torch.equal(ours[n], initial[n])]
+
+
+def compare_step(case: Case, ref: nn.Module, step: int, loss_rel: float, grads: Dict[str, torch.Tensor],
+                 frozen_held: bool, result: Dict[str, Any]) -> None:
+    """Record one step's loss and gradient differences (the reference's gradients at our parameters), then give
+    the reference our gradients for its AdamW step (see [Note: one trajectory])."""
+    result["loss_rel_per_step"].append(loss_rel)
+    result["loss_rel"] = max(result["loss_rel_per_step"])
+    result["grad_keys_match"] &= sorted(grads) == sorted(n for n, _ in ref.named_parameters())
+    diff, raw = worst_grads(grads, ref)
+    result["grad_rel_per_step"].append(diff.rel)
+    result["grad_raw_rel_per_step"].append(raw.raw_rel)
+    if diff.rel > result.get("grad_rel", -1.0):
+        result.update(grad_worst=diff.name, grad_rel=diff.rel, grad_worst_raw_rel=diff.raw_rel,
+                      grad_worst_abs=diff.diff, grad_worst_scale=diff.scale, grad_floor=diff.floor,
+                      grad_worst_step=step)
+    if raw.raw_rel > result.get("grad_raw_rel", -1.0):
+        result.update(grad_raw_worst=raw.name, grad_raw_rel=raw.raw_rel, grad_raw_worst_abs=raw.diff,
+                      grad_raw_worst_scale=raw.scale, grad_raw_worst_step=step)
+    if case.lora:
+        result["frozen_with_grad"] += [n for n, p in ref.named_parameters()
+                                       if not p.requires_grad and (p.grad is not None or grads[n].any())]
+        if frozen_held:
+            result["frozen_with_grad"].append(f"<step {step}: a frozen parameter holds a local gradient>")
+        result["lora_without_grad"] += [n for n, p in ref.named_parameters() if p.requires_grad and p.grad is None]
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if p.grad is not None:
+                p.grad.copy_(grads[name])
 
 
 def isolated(case: Case, dtype_name: str) -> Dict[str, Any]:
