@@ -191,7 +191,7 @@ def test_host_available_memory_is_read_from_meminfo(tmp_path):
 def test_automatic_fraction_refuses_state_the_host_cannot_hold():
     """offload_fraction='auto' raises before making host state larger than the host's available memory,
     naming both sizes and what to change; it is silent when the state fits or the memory is unknown."""
-    from bmtwrap.optim.adam_offload import _check_host_room
+    from bmtwrap.optim.state_placement import _check_host_room
     _check_host_room(10 << 30, 11 << 30, 0)
     _check_host_room(10 << 30, None, 0)
     with pytest.raises(MemoryError, match=r"the CPU\) needs 100\.0 GiB, but the host has 90\.0 GiB available \(the GPU keeps "
