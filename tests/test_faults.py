@@ -88,8 +88,12 @@ class Job:
         self.procs[r].wait()
         self.ended[r] = time.time()
 
-    def finish(self, wait_s: float = 90, *, victim_too: bool = False) -> List[Rank]:
-        """Wait for the ranks (but the victim, unless ``victim_too``), kill any still running; what each did."""
+    def finish(self, wait_s: float = 300, *, victim_too: bool = False) -> List[Rank]:
+        """Wait for the ranks (but the victim, unless ``victim_too``), kill any still running; what each did.
+
+        The wait is long: the jobs start side by side, and on a loaded 2-core machine their 18 processes take
+        a minute or more to import torch before the first step (they wait for each other first, see
+        ``wait_for_every_rank`` in faults.py); a job that works ends long before it."""
         if self._ranks is not None:
             return self._ranks
         deadline = time.time() + wait_s

@@ -17,12 +17,14 @@ flushed; the error's traceback goes to stderr.
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import sys
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import bmtwrap as bmt
@@ -77,7 +79,19 @@ def fault() -> None:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected by the test)")
 
 
+def wait_for_every_rank() -> None:
+    """Return once every rank has imported what it needs: a loaded machine starts the ranks of the jobs that run
+    side by side tens of seconds apart, longer than the collectives' timeout that the test is about, and the
+    process group's own rendezvous waits only that long."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=600))
+    world = int(os.environ["WORLD_SIZE"])
+    store.set(f"faults/imported/{os.environ['RANK']}", "1")
+    store.wait([f"faults/imported/{r}" for r in range(world)])
+
+
 def main() -> None:
+    wait_for_every_rank()
     ctx = bmt.init_distributed(seed=0, timeout=TIMEOUT, check_collectives=CHECK)
     # checkpoint='auto' would recover from running out of memory in a kept block on a GPU; nothing recovers here.
     model = bmt.wrap(Net().to(ctx.device), checkpoint=True if MODE.startswith("oom") else "auto")
