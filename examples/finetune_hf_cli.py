@@ -209,8 +209,10 @@ def check_data(args: argparse.Namespace) -> Optional[Shape]:
         try:
             return find_shape(records.column_names, args.fields)
         except MissingFields as error:
+            example = f"prompt={error.found[0]},completion={error.found[-1]}" if len(error.found) > 1 else \
+                f"text={error.found[0]}" if error.found else "prompt=question,completion=answer"
             raise UsageError(f"--data {path}: {error}; name the columns that hold them with --fields, e.g. "
-                             f"--fields prompt={error.found[0]},completion={error.found[-1]}") from None
+                             f"--fields {example}") from None
     if args.fields.columns:
         raise UsageError(f"--fields {args.fields} names columns of records, but --data {path} is a text file")
     check_text(path)

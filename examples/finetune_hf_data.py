@@ -221,8 +221,10 @@ def rank0_first(make: Callable[[], T]) -> T:
     """``make()`` on rank 0, then on the others (which then read what it cached); its UsageError raised on all."""
     from bmtwrap.data import DataError
 
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return make()
     result, failure = None, None
-    if bmt.rank() == 0:
+    if dist.get_rank() == 0:
         try:
             result = make()
         except (UsageError, DataError) as error:
@@ -231,7 +233,7 @@ def rank0_first(make: Callable[[], T]) -> T:
     dist.broadcast_object_list(shared, src=0)
     if shared[0] is not None:
         raise shared[0]
-    return result if bmt.rank() == 0 else make()
+    return result if dist.get_rank() == 0 else make()
 
 
 # -----------------------------------------------------------------------------

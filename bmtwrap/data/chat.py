@@ -8,7 +8,7 @@ fine-tune learns to produce) are found in one of two ways:
   ``return_assistant_tokens_mask`` reads the marks;
 - any other template, by rendering it incrementally: for each assistant turn, the conversation up to
   it with the generation prompt (what the model is given) and up to its end (what it should write).
-  The characters between the two are the turn; the tokens that start in them are its tokens. This
+  The characters between the two are the turn; the tokens that hold any of them are its tokens. This
   holds as long as the template renders the beginning of a conversation as the beginning of the
   whole; a template that does not (one that rewrites earlier turns) is refused with that reason.
 """
@@ -99,12 +99,15 @@ def assistant_spans(tokenizer: Any, messages: List[dict]) -> Tuple[str, List[Tup
 
 def tokens_in_spans(tokenizer: Any, text: str, spans: List[Tuple[int, int]],
                     add_special_tokens: bool = False) -> Tuple[List[int], List[bool]]:
-    """``text``'s token ids and, for each, whether it starts inside one of ``spans`` (character ranges)."""
+    """``text``'s token ids and, for each, whether it holds characters of one of ``spans`` (character ranges).
+
+    A token across a span's start (a prompt's last space merged into the completion's first word) is
+    the span's: the model learns to write it.
+    """
     if getattr(tokenizer, "is_fast", False):
         encoding = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
         ids = list(encoding["input_ids"])
-        inside = [any(s <= start < e for s, e in spans) and end > start
-                  for start, end in encoding["offset_mapping"]]
+        inside = [any(start < e and end > s for s, e in spans) for start, end in encoding["offset_mapping"]]
         return ids, inside
     # A slow tokenizer gives no offsets: the tokens of each span's prefix must be a prefix of the whole's.
     ids = list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])

@@ -54,7 +54,7 @@ def read_records(path: Path, *, cache_dir: Optional[str] = None) -> Any:
         try:
             with progress_bars(sum(f.stat().st_size for f in files) >= PROGRESS_FROM_BYTES):
                 dataset = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
-                                                cache_dir=cache_dir)
+                                                cache_dir=cache_dir, **(_csv_options(files) if builder == "csv" else {}))
         except Exception as error:  # datasets wraps the parser's error; find the line ourselves
             if builder == "json":
                 for file in files:
@@ -94,6 +94,18 @@ def _data_files(path: Path) -> List[Path]:
         raise DataError(f"{path}: a folder of several formats ({', '.join(sorted(builders))}); give a folder of "
                         "one format, or one file")
     return files
+
+
+def _csv_options(files: List[Path]) -> dict:
+    """Every CSV column read as text: pandas would read "3." as the number 3.0, and an empty cell as NaN."""
+    import csv
+
+    import datasets
+
+    with files[0].open(newline="", encoding="utf-8") as f:
+        header = next(csv.reader(f), [])
+    return dict(features=datasets.Features({name: datasets.Value("string") for name in header}),
+                keep_default_na=False)
 
 
 def check_json(file: Path) -> None:
