@@ -51,6 +51,8 @@ def read_records(path: Path, *, cache_dir: Optional[str] = None) -> Any:
     else:
         files = _data_files(path)
         builder = FORMATS[files[0].suffix.lower()]
+        if all(_empty(f) for f in files):
+            raise DataError(f"{path}: no example in it (empty)")
         try:
             with progress_bars(sum(f.stat().st_size for f in files) >= PROGRESS_FROM_BYTES):
                 dataset = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
@@ -94,6 +96,11 @@ def _data_files(path: Path) -> List[Path]:
         raise DataError(f"{path}: a folder of several formats ({', '.join(sorted(builders))}); give a folder of "
                         "one format, or one file")
     return files
+
+
+def _empty(file: Path) -> bool:
+    """An empty file, or an empty JSON list: datasets' own errors for them say nothing useful."""
+    return file.stat().st_size < 64 and file.read_bytes().strip() in (b"", b"[]")
 
 
 def _csv_options(files: List[Path]) -> dict:
