@@ -20,9 +20,6 @@ from typing import Any, List, Mapping, Sequence, Tuple
 
 from .read import DataError
 
-# The chat template of a tokenizer that has none, e.g. one trained for the occasion: each message is its
-# role between <| |>, a newline, its content and the end-of-text token; the generation prompt opens an
-# assistant turn. Roles other than system, user and assistant are refused.
 SIMPLE_CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{%- if message['role'] not in ['system', 'user', 'assistant'] %}"
@@ -33,6 +30,12 @@ SIMPLE_CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"
 )
+"""A chat template for a tokenizer that has none (examples/finetune_hf.py's default tokenizer carries it).
+
+Each message is its role between ``<|`` and ``|>``, a newline, its content and the end-of-text token;
+the generation prompt opens an assistant turn: ``<|user|>\\nHello!<|endoftext|><|assistant|>\\n``.
+Roles other than ``system``, ``user`` and ``assistant`` are refused.
+"""
 
 _GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 

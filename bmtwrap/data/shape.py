@@ -28,6 +28,7 @@ class Shape(enum.Enum):
 
     @property
     def names(self) -> Tuple[str, ...]:
+        """The fields a record of this shape holds, e.g. ``("prompt", "completion")``."""
         return self.value
 
 
@@ -56,6 +57,7 @@ class Fields:
         return cls(columns)
 
     def column(self, name: str) -> str:
+        """The column that holds the field ``name``."""
         return self.columns.get(name, name)
 
     def __str__(self) -> str:

@@ -17,7 +17,8 @@ from .chat import render_chat, tokens_in_spans
 from .read import DataError, progress_bars
 from .shape import Fields, Shape
 
-IGNORE_INDEX = -100  # the label torch's cross-entropy (and every HF loss) skips
+IGNORE_INDEX = -100
+"""The label of a token no loss is taken on: torch's cross-entropy, and every Hugging Face loss, skips it."""
 
 # datasets' progress bar appears from this many records on: a small set tokenizes in a blink.
 PROGRESS_FROM = 10_000
