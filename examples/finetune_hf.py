@@ -3,6 +3,7 @@
     python examples/finetune_hf.py                                   # the embedded default, see below
     python examples/finetune_hf.py --model ./Llama-3.2-1B --data my.txt --steps 500 --lr 2e-5
     python examples/finetune_hf.py --model ./Llama-3.2-1B --data my.txt --optimizer offload --lora
+    python examples/finetune_hf.py --data examples/data/chat.jsonl        # conversations: loss on the replies
     python examples/finetune_hf.py --resume                          # go on from the last checkpoint in --out
 
 Started with plain ``python``, it checks its arguments and inputs, then starts itself under torchrun

@@ -497,3 +497,28 @@ def test_bad_records_the_workers_find(example: ModuleType, records: Path) -> Non
         with pytest.raises(example.UsageError) as refusal:
             data.record_examples(args, tokenizer, read_records(args.data), world=2)
         assert message in str(refusal.value), f"{argv}: {refusal.value}"
+
+
+def test_record_batches_pad_each_share(example: ModuleType, records: Path) -> None:
+    """Each process's share is padded to its longest example (or --seq); the batch counts all shares' padding."""
+    import transformers
+
+    from bmtwrap.data import SIMPLE_CHAT_TEMPLATE, pad_examples, read_records
+    data = sys.modules["finetune_hf_data"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(records / "plain")
+    tokenizer.chat_template = SIMPLE_CHAT_TEMPLATE
+    for pad_to in ["longest", "seq"]:
+        args = example.parse_args(["--data", str(CHAT), "--seq", "200", "--pad-to", pad_to])
+        examples = data.record_examples(args, tokenizer, read_records(args.data), world=2)
+        assert len(examples.train) + len(examples.held_out) == 41
+        shares = [examples.batch(3, 8, rank, 2) for rank in range(2)]
+        assert shares[0].tokens == shares[1].tokens and shares[0].padding == shares[1].padding  # the whole batch's
+        assert shares[0].padding == sum(int((s.attention_mask == 0).sum()) for s in shares)
+        assert shares[0].tokens == sum(int(s.attention_mask.sum()) for s in shares)
+        for share in shares:
+            lengths = share.attention_mask.sum(dim=1)
+            assert share.input_ids.shape[1] == (200 if pad_to == "seq" else int(lengths.max()))
+            assert (share.labels[share.attention_mask == 0] == -100).all()
+        rows = [examples.train[int(i)] for i in examples._order[1][24:28]]  # batch 3's first share, as drawn
+        assert torch.equal(shares[0].input_ids, pad_examples(rows, examples.pad_id,
+                                                             length=200 if pad_to == "seq" else None).input_ids)
