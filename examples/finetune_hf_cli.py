@@ -76,7 +76,8 @@ def parse_args(argv: Optional[List[str]] = None, description: str = "") -> argpa
                       "file, a folder of them, or a folder saved by datasets' save_to_disk, each record holding "
                       "'messages' (a conversation), 'prompt' and 'completion', or 'text'")
     what.add_argument("--fields", type=fields_option, default=Fields(), metavar="FIELD=COLUMN,...",
-                      help="the columns of the records that hold the fields, e.g. prompt=question,completion=answer")
+                      help="the columns of the records that hold the fields, e.g. prompt=question,completion=answer "
+                      "(none: each field is the column of its own name)")
     what.add_argument("--train-on", default="completion", choices=["completion", "all"],
                       help="the tokens the loss counts in records: the completion or the assistant's turns, or all")
     what.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE", default=None,

@@ -261,7 +261,8 @@ def record_strings(records: Any) -> Iterator[str]:
                 if isinstance(value, str):
                     yield value
                 elif isinstance(value, list):
-                    yield from (m["content"] for m in value if isinstance(m, dict) and isinstance(m.get("content"), str))
+                    yield from (m["content"] for m in value
+                                if isinstance(m, dict) and isinstance(m.get("content"), str))
 
 
 def prompt_ids(tokenizer: Any, prompt: str, chat: bool) -> torch.Tensor:

@@ -116,6 +116,7 @@ def tokens_in_spans(tokenizer: Any, text: str, spans: List[Tuple[int, int]],
     ids = list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
     inside = [False] * len(ids)
     for start, end in spans:
-        first, last = (len(tokenizer(text[:c], add_special_tokens=add_special_tokens)["input_ids"]) for c in (start, end))
+        first, last = (len(tokenizer(text[:c], add_special_tokens=add_special_tokens)["input_ids"])
+                       for c in (start, end))
         inside[first:last] = [True] * (last - first)
     return ids, inside

@@ -53,10 +53,11 @@ def read_records(path: Path, *, cache_dir: Optional[str] = None) -> Any:
         builder = FORMATS[files[0].suffix.lower()]
         if all(_empty(f) for f in files):
             raise DataError(f"{path}: no example in it (empty)")
+        options = _csv_options(files) if builder == "csv" else {}
         try:
             with progress_bars(sum(f.stat().st_size for f in files) >= PROGRESS_FROM_BYTES):
                 dataset = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
-                                                cache_dir=cache_dir, **(_csv_options(files) if builder == "csv" else {}))
+                                                cache_dir=cache_dir, **options)
         except Exception as error:  # datasets wraps the parser's error; find the line ourselves
             if builder == "json":
                 for file in files:

@@ -61,7 +61,8 @@ class Fields:
         return self.columns.get(name, name)
 
     def __str__(self) -> str:
-        return ",".join(f"{k}={v}" for k, v in self.columns.items())
+        """As ``parse`` reads it; ``none`` when every field is its own column."""
+        return ",".join(f"{k}={v}" for k, v in self.columns.items()) or "none"
 
 
 class MissingFields(DataError):
