@@ -390,11 +390,15 @@ def train(run: Run, summary: Summary, rank: int, world: int) -> None:
         scheduler.step(step)  # warmup 1/W, 2/W, ... then the cosine: step 1 already learns
         manager.zero_grad()
         loss_sum = torch.zeros((), device=device)
-        step_tokens, step_padding = 0, 0
-        for micro in range(args.grad_accum):
-            batch = run.data.batch((step - 1) * args.grad_accum + micro, args.batch * world, rank, world)
-            step_tokens, step_padding = step_tokens + batch.tokens, step_padding + batch.padding
-            loss = model(**batch.inputs(device)).loss / args.grad_accum  # this rank's share of the batch
+        batches = [run.data.batch((step - 1) * args.grad_accum + micro, args.batch * world, rank, world)
+                   for micro in range(args.grad_accum)]  # this rank's share of each micro-batch
+        step_tokens, step_padding = sum(b.tokens for b in batches), sum(b.padding for b in batches)
+        targets = sum(b.targets for b in batches)  # the step's predicted tokens, on every rank
+        for batch in batches:
+            # Each share's mean loss weighs as many of the step's predicted tokens as it holds, so the
+            # step's loss is their mean, however records split them (the weight of equal windows: 1.0).
+            weight = batch.predicted() * world * args.grad_accum / targets
+            loss = model(**batch.inputs(device)).loss * weight / args.grad_accum
             manager.backward(loss)
             loss_sum += loss.detach()
         loss_value = bmt.sum_loss(loss_sum).item()  # the mean over ranks: the whole batch's loss, alike on all

@@ -33,6 +33,7 @@ class Batch(NamedTuple):
     attention_mask: Optional[torch.Tensor]  # (B, T), 0 on padding; None: no padding
     tokens: int = 0  # the whole batch's tokens, padding excluded
     padding: int = 0  # the whole batch's padding tokens
+    targets: int = 0  # the whole batch's predicted tokens (see predicted())
 
     def inputs(self, device: torch.device) -> Dict[str, torch.Tensor]:
         """The model's keyword arguments, on ``device``."""
@@ -99,7 +100,8 @@ class Windows:
         share = size // world
         rows = [self.train[_epoch_order(self, len(self.train), i)] for i in range(index * size, (index + 1) * size)]
         ids = torch.stack(rows[rank * share : (rank + 1) * share])  # (share, seq)
-        return Batch(ids, ids, None, tokens=size * self.train.shape[1])
+        seq = self.train.shape[1]
+        return Batch(ids, ids, None, tokens=size * seq, targets=size * (seq - 1))
 
     @property
     def held_out_count(self) -> int:
@@ -167,9 +169,11 @@ class Examples:
         lengths = [self.lengths[r] for r in rows]
         padding = sum((self.pad_to or max(part)) * len(part) - sum(part)
                       for part in (lengths[p * share : (p + 1) * share] for p in range(world)))
-        padded = pad_examples(self.train.select(rows[rank * share : (rank + 1) * share]), self.pad_id,
-                              length=self.pad_to)
-        return Batch(padded.input_ids, padded.labels, padded.attention_mask, tokens=sum(lengths), padding=padding)
+        chosen = self.train.select(rows)  # every process's share: each weighs its loss by its share of targets
+        targets = sum(sum(label != -100 for label in labels[1:]) for labels in chosen["labels"])
+        padded = pad_examples(chosen.select(range(rank * share, (rank + 1) * share)), self.pad_id, length=self.pad_to)
+        return Batch(padded.input_ids, padded.labels, padded.attention_mask, tokens=sum(lengths), padding=padding,
+                     targets=targets)
 
     @property
     def held_out_count(self) -> int:

@@ -519,6 +519,18 @@ def test_record_batches_pad_each_share(example: ModuleType, records: Path) -> No
             lengths = share.attention_mask.sum(dim=1)
             assert share.input_ids.shape[1] == (200 if pad_to == "seq" else int(lengths.max()))
             assert (share.labels[share.attention_mask == 0] == -100).all()
-        rows = [examples.train[int(i)] for i in examples._order[1][24:28]]  # batch 3's first share, as drawn
-        assert torch.equal(shares[0].input_ids, pad_examples(rows, examples.pad_id,
+        rows = [examples.train[int(i)] for i in examples._order[1][24:32]]  # batch 3, as drawn
+        assert torch.equal(shares[0].input_ids, pad_examples(rows[:4], examples.pad_id,
                                                              length=200 if pad_to == "seq" else None).input_ids)
+        # The step's loss: each share's mean weighed by its predicted tokens (as train() does) is the mean over
+        # the whole batch's predicted tokens, computed here in one piece.
+        assert shares[0].targets == sum(s.predicted() for s in shares)
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1)).eval()
+        with torch.no_grad():
+            weighed = sum(model(**s.inputs(torch.device("cpu"))).loss * s.predicted() / s.targets for s in shares)
+            whole = pad_examples(rows, examples.pad_id)
+            reference = model(input_ids=whole.input_ids, labels=whole.labels, attention_mask=whole.attention_mask).loss
+        assert weighed.item() == pytest.approx(reference.item(), rel=1e-5)
