@@ -17,6 +17,8 @@ Public names only; see each one's docstring. A BMTrain program runs after ``impo
 #   optim/           AdamOptimizer, AdamOffloadOptimizer, OptimManager (import the engine only)
 #   checkpoint/      full, sharded and Hugging Face checkpoints (import wrap, optim and the engine)
 #   loss.py, lr_scheduler.py, hf.py (Trainer), __main__.py (the CLI): the other front ends
+#   data/            training data for causal LMs: records read, rendered with chat templates, tokenized with
+#                    labels, padded (imports no other part; datasets only when data is read; not imported here)
 
 import importlib as _importlib
 import sys as _sys

@@ -3,6 +3,7 @@
     python examples/finetune_hf.py                                   # the embedded default, see below
     python examples/finetune_hf.py --model ./Llama-3.2-1B --data my.txt --steps 500 --lr 2e-5
     python examples/finetune_hf.py --model ./Llama-3.2-1B --data my.txt --optimizer offload --lora
+    python examples/finetune_hf.py --data examples/data/chat.jsonl        # conversations: loss on the replies
     python examples/finetune_hf.py --resume                          # go on from the last checkpoint in --out
 
 Started with plain ``python``, it checks its arguments and inputs, then starts itself under torchrun
@@ -59,8 +60,8 @@ import bmtwrap as bmt
 from finetune_hf_cli import (DID_NOT_LEARN, LEARNED, MISTAKE, PROG, REPORT_ENV, SHAPES, Outcome, UsageError,
                              check_inputs, leave, lora_targets, parse_args, planned_world_size, resumed_batch,
                              run_identity, run_under_torchrun)
-
-EOS = "<|endoftext|>"
+# The tokenizer and the batches: a text file's windows, or records' examples.
+from finetune_hf_data import Batch, load_data, prompt_ids
 
 
 def main(argv: Optional[List[str]] = None) -> NoReturn:
@@ -79,69 +80,6 @@ def main(argv: Optional[List[str]] = None) -> NoReturn:
     except UsageError as mistake:
         outcome = Outcome(MISTAKE, f"{PROG}: error: {mistake}")
     leave(outcome)
-
-
-# -----------------------------------------------------------------------------
-# tokenizer and data
-
-
-def load_tokenizer(args: argparse.Namespace, text: str, folder: Path) -> Any:
-    """The model folder's tokenizer, or (default) a byte-level BPE trained on ``text`` by rank 0."""
-    import transformers
-
-    if args.model is not None:
-        return transformers.AutoTokenizer.from_pretrained(args.model)  # check_model loaded it once already
-    # Trained afresh for a new run (the text may have changed), reused when resuming.
-    if bmt.rank() == 0 and not (args.resume and (folder / "tokenizer.json").is_file()):
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-        bpe = Tokenizer(models.BPE())
-        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        bpe.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=args.vocab, special_tokens=[EOS], show_progress=False,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-        bpe.train_from_iterator(text.splitlines(keepends=True), trainer)
-        transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, bos_token=EOS).save_pretrained(folder)
-    bmt.synchronize()  # the other ranks read what rank 0 wrote
-    return transformers.AutoTokenizer.from_pretrained(folder)
-
-
-@dataclass
-class Data:
-    """The token stream cut into sequences: training ones in a seeded order, held-out ones fixed."""
-
-    train: torch.Tensor  # (N, seq)
-    held_out: torch.Tensor  # (M, seq)
-    seed: int
-    _order: Tuple[int, Optional[torch.Tensor]] = (-1, None)  # (epoch, its permutation): drawn once per epoch
-
-    def batch(self, index: int, size: int) -> torch.Tensor:
-        """Sequences ``[index * size, (index + 1) * size)`` of the endless stream of shuffled epochs."""
-        rows = []
-        for i in range(index * size, (index + 1) * size):
-            epoch, position = divmod(i, len(self.train))
-            rows.append(self.train[self._epoch_order(epoch)[position]])
-        return torch.stack(rows)  # (size, seq)
-
-    def _epoch_order(self, epoch: int) -> torch.Tensor:
-        if self._order[0] != epoch:
-            generator = torch.Generator().manual_seed(self.seed + epoch)
-            self._order = (epoch, torch.randperm(len(self.train), generator=generator))
-        return self._order[1]
-
-
-def load_data(args: argparse.Namespace, tokenizer: Any, text: str, world: int) -> Data:
-    """The text cut into --seq windows; every rank computes the same, so a UsageError here is raised on all."""
-    ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
-    cut = int(len(ids) * (1 - args.holdout))
-    train, held_out = ids[:cut], ids[cut:]
-    # Every rank scores at least one held-out sequence: each forward is a collective.
-    if len(train) < args.seq or len(held_out) < args.seq * world:
-        raise UsageError(f"--data {args.data}: its {len(ids)} tokens are too few for --seq {args.seq} with --holdout "
-                         f"{args.holdout} on {world} processes (a training sequence and a held-out one per "
-                         "process); give more text or a shorter --seq")
-    windows = lambda t: t[: len(t) // args.seq * args.seq].view(-1, args.seq)  # noqa: E731
-    return Data(windows(train), windows(held_out), args.seed)
 
 
 # -----------------------------------------------------------------------------
@@ -218,18 +156,18 @@ def make_optimizer(args: argparse.Namespace, model: nn.Module) -> torch.optim.Op
 
 
 @torch.no_grad()
-def perplexity(model: nn.Module, data: Data, args: argparse.Namespace, device: torch.device) -> float:
+def perplexity(model: nn.Module, data: Any, args: argparse.Namespace, device: torch.device) -> float:
     """exp(mean token loss) over the held-out sequences; each rank scores its own share."""
     model.eval()
     world, rank = bmt.world_size(), bmt.rank()
     # Every forward gathers parameters, a collective: each rank scores the same number of rows.
-    per_rank = min(args.eval_batches * args.batch, len(data.held_out) // world)
-    rows = data.held_out[rank * per_rank : (rank + 1) * per_rank]
+    per_rank = min(args.eval_batches * args.batch, data.held_out_count // world)
+    first = rank * per_rank
     total = torch.zeros(2, dtype=torch.float64, device=device)  # (summed loss, predicted tokens)
-    for start in range(0, per_rank, args.batch):
-        ids = rows[start : start + args.batch].to(device)  # (B, T)
-        loss = model(input_ids=ids, labels=ids).loss  # the mean over the B * (T - 1) predicted tokens
-        predicted = ids.numel() - len(ids)
+    for start in range(first, first + per_rank, args.batch):
+        batch = data.held_out_batch(start, min(start + args.batch, first + per_rank))  # (B, T)
+        loss = model(**batch.inputs(device)).loss  # the mean over the batch's predicted tokens
+        predicted = batch.predicted()
         total[0] += loss.double() * predicted
         total[1] += predicted
     dist.all_reduce(total)
@@ -238,10 +176,10 @@ def perplexity(model: nn.Module, data: Data, args: argparse.Namespace, device: t
 
 
 @torch.no_grad()
-def generate(model: nn.Module, tokenizer: Any, args: argparse.Namespace, device: torch.device) -> str:
-    """Greedy continuation of --prompt by the sharded model (every rank runs it: it gathers as it goes)."""
+def generate(model: nn.Module, tokenizer: Any, args: argparse.Namespace, device: torch.device, chat: bool) -> str:
+    """Greedy continuation of --prompt (chat: the reply to it) by the sharded model (every rank runs it)."""
     model.eval()
-    ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"].to(device)
+    ids = prompt_ids(tokenizer, args.prompt, chat).to(device)
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.sample_tokens,
                          do_sample=False, pad_token_id=tokenizer.eos_token_id)
     model.train()
@@ -266,16 +204,16 @@ def export(model: nn.Module, tokenizer: Any, args: argparse.Namespace) -> Path:
 
 
 @torch.no_grad()
-def check_loss(model: nn.Module, ids: torch.Tensor) -> float:
+def check_loss(model: nn.Module, batch: Batch, device: torch.device) -> float:
     """The loss of one fixed held-out batch: compared with the reloaded export's."""
     model.eval()
-    loss = model(input_ids=ids, labels=ids).loss.item()
+    loss = model(**batch.inputs(device)).loss.item()
     model.train()
     return loss
 
 
-def reload_without_bmtwrap(folder: Path, args: argparse.Namespace, ids: torch.Tensor, dtype: torch.dtype,
-                           device: torch.device) -> Tuple[str, float]:
+def reload_without_bmtwrap(folder: Path, args: argparse.Namespace, batch: Batch, dtype: torch.dtype,
+                           device: torch.device, chat: bool) -> Tuple[str, float]:
     """Load the export with plain transformers (and peft for an adapter): its sample and check loss."""
     import transformers
 
@@ -286,12 +224,12 @@ def reload_without_bmtwrap(folder: Path, args: argparse.Namespace, ids: torch.Te
         model = peft.AutoPeftModelForCausalLM.from_pretrained(folder, dtype=dtype)
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    model, ids = model.to(device), ids.to(device)
-    prompt = tokenizer(args.prompt, return_tensors="pt")["input_ids"].to(device)
+    model = model.to(device)
+    prompt = prompt_ids(tokenizer, args.prompt, chat).to(device)
     out = model.eval().generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
                                 max_new_tokens=args.sample_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     with torch.no_grad():
-        loss = model(input_ids=ids, labels=ids).loss.item()
+        loss = model(**batch.inputs(device)).loss.item()
     return tokenizer.decode(out[0], skip_special_tokens=True), loss
 
 
@@ -312,6 +250,7 @@ class Summary:
     steps_run: int = 0
     grad_norm_max: Optional[float] = None  # the largest finite global gradient norm of those steps; None: none was
     tokens_s_median: Optional[float] = None
+    padding_share: Optional[float] = None  # of the tokens of the training batches: records' padding (text: 0)
     peak_mem_gib: Optional[float] = None
     ppl_after: Optional[float] = None  # None: stopped before --steps (--stop-at), and so are the ones below
     sample: Optional[str] = None
@@ -380,7 +319,7 @@ class Run:
     device: torch.device
     dtype: torch.dtype
     tokenizer: Any
-    data: Data
+    data: Any  # finetune_hf_data's Windows (a text file) or Examples (records)
     model: nn.Module
     optimizer: torch.optim.Optimizer
     manager: Any  # bmt.optim.OptimManager
@@ -405,9 +344,7 @@ def prepare(args: argparse.Namespace, ctx: Any) -> Run:
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16}[args.dtype]
     bmt.print_rank(f"finetune_hf: {ctx.world_size} process(es) on {device.type}, {dtype}, out={args.out}")
-    text = args.data.read_text(encoding="utf-8")
-    tokenizer = load_tokenizer(args, text, args.out / "tokenizer")
-    data = load_data(args, tokenizer, text, ctx.world_size)
+    tokenizer, data = load_data(args, ctx.world_size)
     model = build_model(args, tokenizer, dtype)
     model.train()
     optimizer = make_optimizer(args, model)
@@ -426,8 +363,7 @@ def fine_tune(run: Run, ctx: Any) -> Summary:
     if trainable == 0:
         raise UsageError(f"the model has no trainable parameter{' (--lora-targets?)' if args.lora else ''}")
     say(f"model: {type(model).__name__}, {model.config.num_hidden_layers} layers, ~{trainable / 1e6:.1f} M trainable "
-        f"parameters sharded over {ctx.world_size}; data: {run.data.train.numel():,} training tokens, "
-        f"{run.data.held_out.numel():,} held out, vocabulary {len(run.tokenizer)}")
+        f"parameters sharded over {ctx.world_size}; data: {run.data.describe()}, vocabulary {len(run.tokenizer)}")
     start = bmt.load_checkpoint(args.out / "checkpoint", model, run.manager, run.scheduler).step if args.resume else 0
     summary = Summary(world_size=ctx.world_size, device=run.device.type, start_step=start,
                       last_step=args.stop_at or args.steps, trainable_parameters=trainable,
@@ -447,17 +383,22 @@ def train(run: Run, summary: Summary, rank: int, world: int) -> None:
     start, last = summary.start_step, summary.last_step
     log = open_log(args.out / "log.jsonl", start) if rank == 0 else None
     bar = make_bar(start, last, rank)
-    tokens_per_step = args.batch * args.seq * args.grad_accum * world
     throughput: List[float] = []
+    tokens, padding = 0, 0  # the steps', for padding_share
     window = time.perf_counter()
     for step in range(start + 1, last + 1):
         scheduler.step(step)  # warmup 1/W, 2/W, ... then the cosine: step 1 already learns
         manager.zero_grad()
         loss_sum = torch.zeros((), device=device)
-        for micro in range(args.grad_accum):
-            global_batch = run.data.batch((step - 1) * args.grad_accum + micro, args.batch * world)
-            ids = global_batch[rank * args.batch : (rank + 1) * args.batch].to(device)  # this rank's share
-            loss = model(input_ids=ids, labels=ids).loss / args.grad_accum
+        batches = [run.data.batch((step - 1) * args.grad_accum + micro, args.batch * world, rank, world)
+                   for micro in range(args.grad_accum)]  # this rank's share of each micro-batch
+        step_tokens, step_padding = sum(b.tokens for b in batches), sum(b.padding for b in batches)
+        targets = sum(b.targets for b in batches)  # the step's predicted tokens, on every rank
+        for batch in batches:
+            # Each share's mean loss weighs as many of the step's predicted tokens as it holds, so the
+            # step's loss is their mean, however records split them (the weight of equal windows: 1.0).
+            weight = batch.predicted() * world * args.grad_accum / targets
+            loss = model(**batch.inputs(device)).loss * weight / args.grad_accum
             manager.backward(loss)
             loss_sum += loss.detach()
         loss_value = bmt.sum_loss(loss_sum).item()  # the mean over ranks: the whole batch's loss, alike on all
@@ -472,7 +413,9 @@ def train(run: Run, summary: Summary, rank: int, world: int) -> None:
             summary.grad_norm_max = max(grad_norm, summary.grad_norm_max or 0.0)
         now = time.perf_counter()
         record = {"step": step, "loss": loss_value, "lr": scheduler.current_lr, "grad_norm": grad_norm,
-                  "tokens_s": tokens_per_step / (now - window), "mem_gib": memory_gib(device)}
+                  "tokens_s": step_tokens / (now - window), "mem_gib": memory_gib(device),
+                  "padding_share": step_padding / (step_tokens + step_padding)}
+        tokens, padding = tokens + step_tokens, padding + step_padding
         window = now
         throughput.append(record["tokens_s"])
         if log is not None:
@@ -491,6 +434,7 @@ def train(run: Run, summary: Summary, rank: int, world: int) -> None:
     timed = sorted(throughput[2:] or throughput)  # the first steps include one-time set-up
     summary.tokens_s_median = timed[len(timed) // 2] if timed else None
     summary.peak_mem_gib = round(memory_gib(device), 2)
+    summary.padding_share = round(padding / (tokens + padding), 4) if tokens else None
     bmt.print_rank(f"throughput {summary.tokens_s_median or 0:,.0f} tokens/s (median, all processes), peak memory "
                    f"{summary.peak_mem_gib} GiB per process ({'GPU' if device.type == 'cuda' else 'CPU RSS'})")
 
@@ -517,15 +461,15 @@ def evaluate_and_export(run: Run, summary: Summary, rank: int) -> None:
     args, model, device, say = run.args, run.model, run.device, bmt.print_rank
     summary.ppl_after = perplexity(model, run.data, args, device)
     say(f"held-out perplexity after training: {summary.ppl_after:.2f} (before: {summary.ppl_before:.2f})")
-    summary.sample = generate(model, run.tokenizer, args, device)
+    summary.sample = generate(model, run.tokenizer, args, device, run.data.chat)
     say(f"sample: {summary.sample!r}")
-    probe = run.data.held_out[: args.batch]  # (B, T), the same on every rank
-    summary.check_loss = check_loss(model, probe.to(device))
+    probe = run.data.held_out_batch(0, min(args.batch, run.data.held_out_count))  # (B, T), the same on every rank
+    summary.check_loss = check_loss(model, probe, device)
     folder = export(model, run.tokenizer, args)
     say(f"exported to {folder} ({'a peft adapter' if args.lora else 'a folder transformers loads'})")
     if rank == 0:
         summary.reloaded_sample, summary.reloaded_check_loss = reload_without_bmtwrap(folder, args, probe, run.dtype,
-                                                                                      device)
+                                                                                      device, run.data.chat)
         same = summary.reloaded_sample == summary.sample
         say(f"reloaded without bmtwrap: {'the same' if same else 'ANOTHER'} sample, loss "
             f"{summary.reloaded_check_loss:.5f} on a held-out batch (the sharded model's: {summary.check_loss:.5f})")

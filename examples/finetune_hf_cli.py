@@ -19,6 +19,8 @@ from typing import Any, Dict, List, NamedTuple, NoReturn, Optional, Set, Tuple, 
 
 import torch
 
+from bmtwrap.data import DataError, Fields, MissingFields, Shape, find_shape, is_records, read_records
+
 EXAMPLE = Path(__file__).resolve().parent / "finetune_hf.py"
 DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "genesis_exodus_kjv.txt"
 PROG = "finetune_hf.py"
@@ -69,8 +71,22 @@ def parse_args(argv: Optional[List[str]] = None, description: str = "") -> argpa
     what.add_argument("--model", type=Path, help="a local Hugging Face folder of a causal LM (config, safetensors, "
                       "tokenizer); default: a small Llama built from --shape")
     what.add_argument("--shape", default="tiny", choices=sorted(SHAPES), help="the Llama shape built without --model")
-    what.add_argument("--data", type=Path, default=DEFAULT_DATA, help="a UTF-8 text file to train on")
-    what.add_argument("--holdout", type=float, default=0.1, help="share of the text kept for perplexity, in (0, 1)")
+    what.add_argument("--data", type=Path, default=DEFAULT_DATA,
+                      help="a UTF-8 text file (cut into --seq windows), or records: a .jsonl, .json, .parquet or .csv "
+                      "file, a folder of them, or a folder saved by datasets' save_to_disk, each record holding "
+                      "'messages' (a conversation), 'prompt' and 'completion', or 'text'")
+    what.add_argument("--fields", type=fields_option, default=Fields(), metavar="FIELD=COLUMN,...",
+                      help="the columns of the records that hold the fields, e.g. prompt=question,completion=answer "
+                      "(none: each field is the column of its own name)")
+    what.add_argument("--train-on", default="completion", choices=["completion", "all"],
+                      help="the tokens the loss counts in records: the completion or the assistant's turns, or all")
+    what.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE", default=None,
+                      help="a Jinja chat template (a file, or the template itself) to render 'messages' with, in place "
+                      "of the tokenizer's (the default tokenizer's: bmtwrap.data.SIMPLE_CHAT_TEMPLATE)")
+    what.add_argument("--pad-to", default="longest", choices=["longest", "seq"],
+                      help="pad each batch of records to its longest example, or to --seq")
+    what.add_argument("--holdout", type=float, default=0.1,
+                      help="share of the text (or of the records) kept for perplexity, in (0, 1)")
     what.add_argument("--vocab", type=int, default=2048, help="BPE vocabulary trained without --model")
     train = p.add_argument_group("training")
     train.add_argument("--steps", type=int, default=300, help="optimizer steps of the whole run")
@@ -170,14 +186,74 @@ def planned_world_size(args: argparse.Namespace) -> int:
 
 def check_inputs(args: argparse.Namespace) -> None:
     """Raise UsageError for the first mistake in --data, --model, --lora-targets or --out."""
-    check_data(args.data)
+    shape = check_data(args)
     config = check_model(args)
+    if shape is Shape.MESSAGES:
+        check_chat_template(args)
     if args.lora and lora_targets(args) != "all-linear":
         check_lora_targets(args, config)
     check_out(args)
 
 
-def check_data(path: Path) -> None:
+def fields_option(value: str) -> Fields:
+    try:
+        return Fields.parse(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def check_data(args: argparse.Namespace) -> Optional[Shape]:
+    """The shape of --data's records (None: a text file), after checking that they can be read."""
+    path = args.data
+    if path.exists() and is_records(path):
+        records = read_records_or_refuse(args)
+        try:
+            return find_shape(records.column_names, args.fields)
+        except MissingFields as error:
+            example = f"prompt={error.found[0]},completion={error.found[-1]}" if len(error.found) > 1 else \
+                f"text={error.found[0]}" if error.found else "prompt=question,completion=answer"
+            raise UsageError(f"--data {path}: {error}; name the columns that hold them with --fields, e.g. "
+                             f"--fields {example}") from None
+    if args.fields.columns:
+        raise UsageError(f"--fields {args.fields} names columns of records, but --data {path} is a text file")
+    check_text(path)
+    return None
+
+
+def read_records_or_refuse(args: argparse.Namespace) -> Any:
+    """--data's records (a datasets.Dataset), read by bmtwrap.data; a DataError becomes a UsageError."""
+    try:
+        return read_records(args.data)
+    except DataError as error:
+        raise UsageError(f"--data {error}") from None
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template: a file's text, or the template itself."""
+    if Path(value).is_file():
+        return Path(value).read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise UsageError(f"--chat-template {value}: no such file, nor a Jinja template (no {{{{ or {{%); give a file "
+                     "or the template itself")
+
+
+def check_chat_template(args: argparse.Namespace) -> None:
+    """Conversations need a chat template: --chat-template, the --model tokenizer's, or the default's own."""
+    if args.chat_template is not None:
+        read_chat_template(args.chat_template)
+        return
+    if args.model is None:
+        return  # the default tokenizer carries bmtwrap.data.SIMPLE_CHAT_TEMPLATE
+    import transformers
+
+    if not getattr(transformers.AutoTokenizer.from_pretrained(args.model), "chat_template", None):
+        raise UsageError(f"--data {args.data} holds conversations ('messages'), but the tokenizer of --model "
+                         f"{args.model} has no chat template to render them with; give one with --chat-template "
+                         "(a Jinja file or string, e.g. the template of the model's instruct version)")
+
+
+def check_text(path: Path) -> None:
     if not path.is_file():
         raise UsageError(f"--data {path}: no such file")
     raw = path.read_bytes()
@@ -317,7 +393,8 @@ def saved_run(folder: Path) -> Dict[str, Any]:
 def run_identity(args: argparse.Namespace) -> Dict[str, str]:
     """The settings a resumed run must share with the saved one for its losses to continue it."""
     keys = ["shape", "holdout", "vocab", "steps", "seq", "grad_accum", "lr", "warmup", "weight_decay",
-            "max_grad_norm", "dtype", "seed", "optimizer", "lora", "lora_rank", "lora_targets"]
+            "max_grad_norm", "dtype", "seed", "optimizer", "lora", "lora_rank", "lora_targets", "fields", "train_on",
+            "chat_template", "pad_to"]
     identity = {k: str(getattr(args, k)) for k in keys}
     return identity | {"model": str(args.model and args.model.resolve()), "data": str(args.data.resolve())}
 

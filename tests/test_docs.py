@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PUBLIC_MODULES = ["bmtwrap", "bmtwrap.optim", "bmtwrap.lr_scheduler", "bmtwrap.loss", "bmtwrap.wrap",
                   "bmtwrap.checkpoint", "bmtwrap.hf", "bmtwrap.bmtrain.nn", "bmtwrap.bmtrain.distributed",
                   "bmtwrap.bmtrain.utils", "bmtwrap.bmtrain.debug", "bmtwrap.bmtrain.zero_context",
-                  "bmtwrap.bmtrain.compat"]
+                  "bmtwrap.bmtrain.compat", "bmtwrap.data"]
 # Public through a return value rather than an __all__: init_distributed() returns it.
 ALSO_PUBLIC = [("bmtwrap.engine.dist", "DistContext")]
 BUILD_REQUIREMENTS = ("mkdocs", "mkdocstrings", "mkdocstrings_handlers.python", "griffe")

@@ -401,3 +401,136 @@ def test_finetune_sh_keeps_the_users_directory(tmp_path: Path) -> None:
     install, seen = proc.stdout.splitlines()
     assert install == "install.sh examples"
     assert json.loads(seen) == {"cwd": str(user), "argv": ["--model", "./Llama", "--out", "out"]}
+
+
+# --- records: conversations, prompt/completion pairs ------------------------------------------------------
+
+
+CHAT = ROOT / "examples" / "data" / "chat.jsonl"
+
+
+def test_the_bundled_conversations_train_end_to_end(tmp_path: Path) -> None:
+    # The default model and tokenizer (its built-in chat template), 2 processes, loss on the assistant's turns.
+    run_example(*QUICK, "--steps", "8", "--data", str(CHAT), "--out", str(tmp_path), "--prompt", "Hello!")
+    s = summary(tmp_path)
+    assert s["failures"] == [] and s["ppl_after"] < 0.5 * s["ppl_before"], s
+    assert 0 < s["padding_share"] < 1 and all(0 <= r["padding_share"] < 1 for r in log_lines(tmp_path))
+    assert s["sample"].startswith("<|user|>\nHello!<|assistant|>\n") and s["reloaded_sample"] == s["sample"]
+    assert s["reloaded_check_loss"] == pytest.approx(s["check_loss"], rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Data files with mistakes, and a model folder whose tokenizer has no chat template."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    folder = tmp_path_factory.mktemp("records")
+    pair = json.dumps({"question": "What is 1 plus 2?", "answer": " 3."})
+    (folder / "qa.jsonl").write_text(pair + "\n" + pair + "\n")
+    (folder / "bad.jsonl").write_text(pair + "\n" + pair + "\n{'question': 'single quotes'}\n")
+    (folder / "empty.jsonl").write_text("")
+    (folder / "text.txt").write_text("In the beginning.\n")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator(["hello"], trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                                           show_progress=False,
+                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>").save_pretrained(
+        folder / "plain")
+    gpt2 = transformers.GPT2Config(vocab_size=300, n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    gpt2.architectures = ["GPT2LMHeadModel"]
+    gpt2.save_pretrained(folder / "plain")
+    return folder
+
+
+def test_bad_records_are_named_before_training(example: ModuleType, capsys: pytest.CaptureFixture, records: Path,
+                                               tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(records)
+    bad = {
+        ("--data", "bad.jsonl"): "--data bad.jsonl, line 3: not JSON (Expecting property name enclosed in double "
+                                 "quotes, column 2); each line of a JSON Lines file holds one JSON object",
+        ("--data", "qa.jsonl"): "--data qa.jsonl: no column 'messages' or 'prompt'+'completion' or 'text' (the columns "
+                                "found: 'question', 'answer'); name the columns that hold them with --fields, e.g. "
+                                "--fields prompt=question,completion=answer",
+        ("--data", "qa.jsonl", "--fields", "prompt=question,completion=reply"):
+            "--data qa.jsonl: no column 'messages' or 'question'+'reply' or 'text'",
+        ("--data", "empty.jsonl"): "--data empty.jsonl: no example in it (empty)",
+        ("--data", "text.txt", "--fields", "text=body"): "--fields text=body names columns of records, but --data "
+                                                         "text.txt is a text file",
+        ("--data", str(CHAT), "--model", "plain", "--seq", "32"):
+            f"--data {CHAT} holds conversations ('messages'), but the tokenizer of --model plain has no chat template "
+            "to render them with; give one with --chat-template (a Jinja file or string",
+        ("--data", str(CHAT), "--chat-template", "chat.jinja"): "--chat-template chat.jinja: no such file, nor a "
+                                                                "Jinja template",
+        ("--fields", "answer=reply"): "argument --fields: 'answer=reply': no field 'answer'; the fields are text, "
+                                      "prompt, completion, messages",
+    }
+    for argv, message in bad.items():
+        err = refused(example, capsys, *SHORT, "--out", str(tmp_path), *argv)
+        assert message in err, f"{argv}: {err}"
+
+
+def test_bad_records_the_workers_find(example: ModuleType, records: Path) -> None:
+    """The mistakes found once the data is tokenized (in every process), checked here in one."""
+    import transformers
+
+    from bmtwrap.data import SIMPLE_CHAT_TEMPLATE, read_records
+    data = sys.modules["finetune_hf_data"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(records / "plain")
+    tokenizer.chat_template = SIMPLE_CHAT_TEMPLATE
+    tool = records / "tool.jsonl"
+    tool.write_text(CHAT.read_text() + json.dumps({"messages": [{"role": "tool", "content": "42"}]}) + "\n")
+    cases = [
+        (["--data", str(tool)], f"--data {tool}: example 42: the chat template refuses it: the chat template knows the "
+                                "roles system, user and assistant, not 'tool'"),
+        # Almost a token per byte: the system prompt and the first question pass 40 tokens.
+        (["--data", str(CHAT), "--seq", "40"], f"--data {CHAT}: every example is cut: 41 of its 41 examples are "
+                                               "longer than --seq 40 (the longest has "),
+        (["--data", str(CHAT), "--seq", "40"], "would be dropped, nothing to learn left after the cut; give a longer "
+                                               "--seq"),
+        (["--data", str(CHAT), "--holdout", "0.01"], f"--data {CHAT}: its 41 examples are too few for --holdout 0.01 "
+                                                     "on 2 processes"),
+    ]
+    for argv, message in cases:
+        args = example.parse_args(argv)
+        with pytest.raises(example.UsageError) as refusal:
+            data.record_examples(args, tokenizer, read_records(args.data), world=2)
+        assert message in str(refusal.value), f"{argv}: {refusal.value}"
+
+
+def test_record_batches_pad_each_share(example: ModuleType, records: Path) -> None:
+    """Each process's share is padded to its longest example (or --seq); the batch counts all shares' padding."""
+    import transformers
+
+    from bmtwrap.data import SIMPLE_CHAT_TEMPLATE, pad_examples, read_records
+    data = sys.modules["finetune_hf_data"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(records / "plain")
+    tokenizer.chat_template = SIMPLE_CHAT_TEMPLATE
+    for pad_to in ["longest", "seq"]:
+        args = example.parse_args(["--data", str(CHAT), "--seq", "200", "--pad-to", pad_to])
+        examples = data.record_examples(args, tokenizer, read_records(args.data), world=2)
+        assert len(examples.train) + len(examples.held_out) == 41
+        shares = [examples.batch(3, 8, rank, 2) for rank in range(2)]
+        assert shares[0].tokens == shares[1].tokens and shares[0].padding == shares[1].padding  # the whole batch's
+        assert shares[0].padding == sum(int((s.attention_mask == 0).sum()) for s in shares)
+        assert shares[0].tokens == sum(int(s.attention_mask.sum()) for s in shares)
+        for share in shares:
+            lengths = share.attention_mask.sum(dim=1)
+            assert share.input_ids.shape[1] == (200 if pad_to == "seq" else int(lengths.max()))
+            assert (share.labels[share.attention_mask == 0] == -100).all()
+        rows = [examples.train[int(i)] for i in examples._order[1][24:32]]  # batch 3, as drawn
+        assert torch.equal(shares[0].input_ids, pad_examples(rows[:4], examples.pad_id,
+                                                             length=200 if pad_to == "seq" else None).input_ids)
+        # The step's loss: each share's mean weighed by its predicted tokens (as train() does) is the mean over
+        # the whole batch's predicted tokens, computed here in one piece.
+        assert shares[0].targets == sum(s.predicted() for s in shares)
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1)).eval()
+        with torch.no_grad():
+            weighed = sum(model(**s.inputs(torch.device("cpu"))).loss * s.predicted() / s.targets for s in shares)
+            whole = pad_examples(rows, examples.pad_id)
+            reference = model(input_ids=whole.input_ids, labels=whole.labels, attention_mask=whole.attention_mask).loss
+        assert weighed.item() == pytest.approx(reference.item(), rel=1e-5)

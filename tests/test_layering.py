@@ -28,6 +28,7 @@ ALLOWED: Dict[str, FrozenSet[str]] = {
     "loss": frozenset({"engine", "ops"}),
     "lr_scheduler": frozenset({"engine", "ops"}),
     "checkpoint": frozenset({"engine", "ops", "wrap", "optim"}),
+    "data": frozenset(),  # reading and tokenizing training data: nothing of the engine
 }
 
 

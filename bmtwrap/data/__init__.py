@@ -1,0 +1,38 @@
+"""Training data for causal LMs: records read from local files, rendered, tokenized with labels, padded.
+
+    records = read_records(Path("chat.jsonl"))                  # JSONL, JSON, Parquet, CSV, folders, save_to_disk
+    shape = find_shape(records.column_names, Fields.parse("prompt=question,completion=answer"))
+    examples, report = tokenize_records(records, tokenizer, shape, max_length=2048)
+    batch = pad_examples(examples.select(range(8)), pad_id=tokenizer.pad_token_id)
+    loss = model(input_ids=batch.input_ids, labels=batch.labels, attention_mask=batch.attention_mask).loss
+
+Shapes: ``messages`` (a conversation, rendered with the tokenizer's chat template), ``prompt`` +
+``completion``, ``text``. By default the loss counts the completion or the assistant's turns only
+(labels are -100 elsewhere).
+``datasets`` is imported when data is read, never by ``import bmtwrap`` (``pip install bmtwrap[data]``).
+"""
+
+from .chat import SIMPLE_CHAT_TEMPLATE, render_chat
+from .pad import PaddedBatch, pad_examples
+from .read import DataError, is_records, read_records
+from .shape import Fields, MissingFields, Shape, find_shape
+from .tokenize import IGNORE_INDEX, TokenizeReport, TrainOn, tokenize_record, tokenize_records
+
+__all__ = [
+    "DataError",
+    "Fields",
+    "IGNORE_INDEX",
+    "MissingFields",
+    "PaddedBatch",
+    "SIMPLE_CHAT_TEMPLATE",
+    "Shape",
+    "TokenizeReport",
+    "TrainOn",
+    "find_shape",
+    "is_records",
+    "pad_examples",
+    "read_records",
+    "render_chat",
+    "tokenize_record",
+    "tokenize_records",
+]
