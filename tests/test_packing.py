@@ -65,8 +65,16 @@ def test_padding_shares_count_the_packed_rows_and_the_padded_unpacked_batches():
     packer, batches = _pack(stream)
     tokens = sum(len(e["input_ids"]) for e in stream)
     cells = sum(b.input_ids.numel() for b in batches)
-    groups = [stream[i : i + 3] for i in range(0, len(stream), 3)]
-    unpacked_cells = sum(len(g) * max(len(e["input_ids"]) for e in g) for g in groups)
+    # Unpacked: in the stream's order, as many a batch as fit 3 x SEQ tokens padded to their longest.
+    groups, group = [], []
+    for e in stream:
+        if (len(group) + 1) * max(len(x) for x in group + [e["input_ids"]]) > 3 * SEQ:
+            groups.append(group)
+            group = []
+        group.append(e["input_ids"])
+    groups.append(group)
+    assert sum(map(len, groups)) == len(stream) and len(groups) > 2
+    unpacked_cells = sum(len(g) * max(map(len, g)) for g in groups)
     share = packer.padding_share()
     assert isinstance(share, PaddingShare)
     assert share.packed == pytest.approx(1 - tokens / cells) and share.unpacked == pytest.approx(1 - tokens / unpacked_cells)

@@ -82,8 +82,9 @@ class PaddingShare:
 
     Attributes:
         packed: in the packed rows (``rows x seq`` tokens a batch, the last batch possibly fewer rows).
-        unpacked: one example a row, ``rows`` examples a batch in the order they came, each batch
-            padded to its longest example (what a padding collator gives on the same stream).
+        unpacked: one example a row, padded to the longest of its batch (what a padding collator
+            gives), the examples in the order they came, as many a batch as fit the packed batch's
+            ``rows x seq`` tokens (the same memory a step).
     """
 
     packed: float
@@ -217,10 +218,11 @@ class Packer:
         group: List[int] = []  # lengths of the unpacked batch being counted
         for number, example in enumerate(examples):
             buffer.append(self._checked(number, example))
-            group.append(len(buffer[-1][0]))
-            if len(group) == self.rows:
+            length = len(buffer[-1][0])
+            if group and (len(group) + 1) * max(*group, length) > self.rows * self.seq:
                 self._count_unpacked(group)
                 group = []
+            group.append(length)
             if len(buffer) >= self.buffer_size:
                 buffer = yield from self._pack(buffer, final=False)
         if group:
