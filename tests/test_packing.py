@@ -162,3 +162,13 @@ def test_packed_batch_on_the_wrapped_model_equals_its_documents_alone(wrapped, c
     assert r["token_loss_gap"] <= 2e-6 and r["loss_rel"] <= 1e-6 and r["grad_rel"] <= 2e-6, r
     assert r["control_gap"] > 1e-3, f"positions 0..seq-1 should have changed the losses: {r}"
     assert r["compiled_blocks"] == (2 if case.endswith("compiled") else 0), r
+
+
+def test_packed_batch_through_a_peft_model_equals_its_documents_alone():
+    import peft
+
+    ref = tiny("llama")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    torch.manual_seed(1)
+    model = peft.get_peft_model(ref, config)
+    assert token_loss_gap(model, model, _one_batch()) <= 2e-6
