@@ -11,9 +11,18 @@ import torch
 
 from bmtwrap.data import Packer, PaddingShare, check_packing, first_fit_decreasing
 from launch import run_cases
-from packing_ref import alone, documents, examples, loss_count, tiny, token_loss_gap
+from packing_ref import alone, documents, examples, loss_count, tiny, token_loss_gap, token_losses
 
 SEQ = 48
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from a second thread, and on a shared, busy machine its waits cost seconds."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _pack(stream, **options):
@@ -126,7 +135,6 @@ def test_refused_family_would_attend_across_documents():
     with torch.no_grad():
         logits = opt(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
     _, each = alone(opt, batch, range(3))
-    from packing_ref import token_losses
     packed = token_losses(logits, batch.labels)
     assert max((packed[d.row, d.start : d.end - 1] - losses).abs().max().item() for d, losses in each if len(losses)) > 1e-3
 

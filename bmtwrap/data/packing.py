@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Generator, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -40,6 +40,7 @@ from torch import nn
 __all__ = ["PACKING_FAMILIES", "PackedBatch", "Packer", "PaddingShare", "check_packing", "first_fit_decreasing"]
 
 IGNORE_INDEX = -100
+_Example = Tuple[List[int], List[int]]  # (input_ids, labels), checked
 
 # Model types whose transformers 5.x implementation builds its attention mask with masking_utils from
 # position_ids and embeds the positions it is given: checked against documents run one by one in
@@ -214,7 +215,7 @@ class Packer:
             ValueError: an example lacks ``input_ids`` or ``labels``, they differ in length, or it is
                 empty or longer than ``seq`` (the message gives its position in ``examples``).
         """
-        buffer: List[Tuple[List[int], List[int]]] = []
+        buffer: List[_Example] = []
         group: List[int] = []  # lengths of the unpacked batch being counted
         for number, example in enumerate(examples):
             buffer.append(self._checked(number, example))
@@ -240,7 +241,7 @@ class Packer:
         return PaddingShare(packed=self._packed[1] / sum(self._packed),
                             unpacked=self._unpacked[1] / sum(self._unpacked))
 
-    def _checked(self, number: int, example: Mapping[str, Sequence[int]]) -> Tuple[List[int], List[int]]:
+    def _checked(self, number: int, example: Mapping[str, Sequence[int]]) -> _Example:
         if not isinstance(example, Mapping) or "input_ids" not in example or "labels" not in example:
             raise ValueError(f"example {number}: expected a mapping with 'input_ids' and 'labels' (lists of token "
                              f"ids, labels -100 where no loss), got {type(example).__name__}")
@@ -258,7 +259,7 @@ class Packer:
         self._unpacked[0] += tokens
         self._unpacked[1] += max(lengths) * len(lengths) - tokens
 
-    def _pack(self, buffer: List[Tuple[List[int], List[int]]], *, final: bool):
+    def _pack(self, buffer: List[_Example], *, final: bool) -> Generator[PackedBatch, None, List[_Example]]:
         """Yield the batches of ``buffer``; return the examples held back for the next buffer."""
         self._random.shuffle(buffer)
         rows = first_fit_decreasing([len(ids) for ids, _ in buffer], self.seq)
@@ -270,7 +271,7 @@ class Packer:
             yield self._batch([[buffer[i] for i in row] for row in emitted[start : start + self.rows]])
         return [buffer[i] for row in rows[kept:] for i in row]
 
-    def _batch(self, rows: List[List[Tuple[List[int], List[int]]]]) -> PackedBatch:
+    def _batch(self, rows: List[List[_Example]]) -> PackedBatch:
         shape = (len(rows), self.seq)
         input_ids = torch.full(shape, self.pad_token_id, dtype=torch.long)
         labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
