@@ -1,0 +1,136 @@
+"""TRL's ``SFTTrainer`` and ``DPOTrainer`` on a model sharded by bmtwrap.
+
+A TRL script switches by one import: ``from bmtwrap.hf import SFTTrainer`` (or ``DPOTrainer``)
+instead of ``from trl import ...``; its config, datasets, ``peft_config=``, ``train()`` and
+``save_model()`` stay as they are. ``bmtwrap.hf`` imports this module, and so trl, only when one
+of these names is used.
+
+[Note: TRL on a sharded model]
+Each class is TRL's trainer with :class:`bmtwrap.hf.ShardedTrainerMixin` listed last, right above
+``transformers.Trainer``. TRL's ``__init__`` runs first and prepares the model as it always does:
+loads it from a name with ``model_init_kwargs``, adds the peft adapters of ``peft_config`` (and, for
+a peft model passed in, DPO's frozen ``"ref"`` copy of its adapter), tokenizes the datasets, picks
+its collator (``padding_free``, packing). Its call of ``transformers.Trainer.__init__`` then reaches
+the mixin, which shards that prepared model; what TRL does after (its fused LM head, reading
+``lm_head.weight`` inside the model's forward, where bmtwrap has gathered it) runs on the sharded
+model. So:
+
+- ``gradient_checkpointing`` (on by default in TRL's configs) becomes ``wrap(checkpoint=True)``,
+  as with :class:`bmtwrap.hf.Trainer`; TRL's ``disable_gradient_checkpointing`` around the
+  reference forward then finds Hugging Face's checkpointing off and leaves it so.
+- DPO's reference model, yours (``ref_model=``) or the one TRL loads from the model's name, reaches
+  the accelerator unwrapped, through ``accelerator.prepare_model(ref, evaluation_mode=True)``:
+  it is sharded there like the trained model (without checkpointing), frozen and in eval mode.
+  Every rank runs its forward on its own part of the batch, as for the trained model.
+- With a peft model and no ``ref_model``, TRL's reference is the same sharded model with the
+  adapters disabled (or its ``"ref"`` adapter active): peft's switch acts inside the layers bmtwrap
+  runs, so nothing else is needed. ``accelerator.unwrap_model`` gives the model itself (it is
+  wrapped in nothing).
+- ``precompute_ref_log_probs=True`` runs the reference (or, before training, the model) over the
+  datasets on every rank, each its own part, as TRL does under DDP.
+
+Refused before anything is built: ``activation_offloading`` and
+selective activation checkpointing, whose saved-tensor hooks and checkpoint wrappers are not made
+for bmtwrap's blocks (bmtwrap's own checkpointing and ``wrap_options={"offload_params": True}``
+save that memory instead); everything :class:`bmtwrap.hf.Trainer` refuses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Union
+
+import trl
+from transformers import TrainingArguments
+
+from .hf import ShardedTrainerMixin
+
+__all__ = ["SFTTrainer", "DPOTrainer"]
+
+
+def _refuse_trl_options(args: Optional[TrainingArguments], who: str) -> None:
+    """Raise for the TRL settings that cannot work on a sharded model, before TRL acts on them."""
+    if args is None:
+        return
+    if getattr(args, "activation_offloading", False):
+        raise NotImplementedError(f"{who} does not support activation_offloading=True: its saved-tensor hooks would "
+                                  "also move what bmtwrap's blocks keep for backward; bmtwrap recomputes activations "
+                                  "instead: leave gradient_checkpointing=True (TRL's default), and pass "
+                                  "wrap_options={'offload_params': True} to move the parameters off the GPU")
+    kwargs = getattr(args, "activation_checkpointing_kwargs", None) or getattr(args, "gradient_checkpointing_kwargs", None)
+    if (kwargs or {}).get("selective"):
+        raise NotImplementedError(f"{who} does not support gradient_checkpointing_kwargs={{'selective': True}}: bmtwrap "
+                                  "checkpoints whole blocks itself (Hugging Face's checkpointing, which TRL's selective "
+                                  "variant rides on, stays off); drop 'selective'")
+
+
+class SFTTrainer(trl.SFTTrainer, ShardedTrainerMixin):
+    """TRL's ``SFTTrainer``, training a model sharded by bmtwrap (ZeRO-3).
+
+    Takes every argument ``trl.SFTTrainer`` takes and behaves the same; underneath, what
+    :class:`bmtwrap.hf.Trainer` changes (see its docstring) and [Note: TRL on a sharded model]
+    in :mod:`bmtwrap.hf_trl`. Import it as ``from bmtwrap.hf import SFTTrainer``.
+
+    Args:
+        *args: ``trl.SFTTrainer``'s arguments by position (``model``, ``args``, ...).
+        wrap_options: keyword arguments for :func:`bmtwrap.wrap`, as for :class:`bmtwrap.hf.Trainer`.
+        offload: the optimizer's choice, as for :class:`bmtwrap.hf.Trainer`.
+        **kwargs: ``trl.SFTTrainer``'s arguments by name (``train_dataset``, ``peft_config``, ...).
+
+    Raises:
+        NotImplementedError: ``activation_offloading=True``, ``gradient_checkpointing_kwargs``
+            with ``selective``, or a setting :class:`bmtwrap.hf.Trainer` refuses.
+
+    Example::
+
+        from trl import SFTConfig
+        from bmtwrap.hf import SFTTrainer  # instead of: from trl import SFTTrainer
+
+        trainer = SFTTrainer(model="Qwen/Qwen3-0.6B", args=SFTConfig("out"), train_dataset=data)
+        trainer.train()  # torchrun --nproc_per_node=8 sft.py
+    """
+
+    _public_name = "bmtwrap.hf.SFTTrainer"
+
+    def __init__(self, *args: Any, wrap_options: Optional[Dict[str, Any]] = None,
+                 offload: Union[bool, str] = "auto", **kwargs: Any) -> None:
+        _refuse_trl_options(kwargs.get("args", args[1] if len(args) > 1 else None), self._public_name)
+        self._sharding_options = (wrap_options, offload)  # taken by ShardedTrainerMixin.__init__
+        super().__init__(*args, **kwargs)
+
+
+class DPOTrainer(trl.DPOTrainer, ShardedTrainerMixin):
+    """TRL's ``DPOTrainer``, training a model sharded by bmtwrap (ZeRO-3).
+
+    Takes every argument ``trl.DPOTrainer`` takes and behaves the same; underneath, what
+    :class:`bmtwrap.hf.Trainer` changes (see its docstring) and [Note: TRL on a sharded model]
+    in :mod:`bmtwrap.hf_trl`. The reference model (``ref_model=``, or the one TRL loads) is sharded
+    like the model, frozen; with a peft model and no ``ref_model``, the reference is the sharded
+    model with its adapters disabled. Import it as ``from bmtwrap.hf import DPOTrainer``.
+
+    Args:
+        *args: ``trl.DPOTrainer``'s arguments by position (``model``, ``ref_model``, ``args``, ...).
+        wrap_options: keyword arguments for :func:`bmtwrap.wrap`, as for :class:`bmtwrap.hf.Trainer`;
+            the reference model is wrapped with the same, less checkpointing.
+        offload: the optimizer's choice, as for :class:`bmtwrap.hf.Trainer`.
+        **kwargs: ``trl.DPOTrainer``'s arguments by name (``train_dataset``, ``peft_config``, ...).
+
+    Raises:
+        NotImplementedError: ``activation_offloading=True``, ``gradient_checkpointing_kwargs``
+            with ``selective``, or a setting :class:`bmtwrap.hf.Trainer` refuses.
+
+    Example::
+
+        from trl import DPOConfig
+        from bmtwrap.hf import DPOTrainer  # instead of: from trl import DPOTrainer
+
+        trainer = DPOTrainer(model=model, args=DPOConfig("out"), train_dataset=pairs, processing_class=tokenizer)
+        trainer.train()  # torchrun --nproc_per_node=8 dpo.py
+    """
+
+    _public_name = "bmtwrap.hf.DPOTrainer"
+
+    def __init__(self, *args: Any, wrap_options: Optional[Dict[str, Any]] = None,
+                 offload: Union[bool, str] = "auto", **kwargs: Any) -> None:
+        _refuse_trl_options(kwargs.get("args", args[2] if len(args) > 2 else None), self._public_name)
+        self._sharding_options = (wrap_options, offload)  # taken by ShardedTrainerMixin.__init__
+        super().__init__(*args, **kwargs)
