@@ -58,7 +58,9 @@ from .optim.optim_manager import clip_grads_with_norm, grad_norm
 from .wrap import wrap
 from .wrap.convert import wrapped_record
 
-__all__ = ["Trainer", "ShardedTrainerMixin", "SFTTrainer", "DPOTrainer"]
+# SFTTrainer and DPOTrainer are here too, from hf_trl on first use (see __getattr__ at the end): not in __all__,
+# so that `from bmtwrap.hf import *` needs no trl.
+__all__ = ["Trainer", "ShardedTrainerMixin"]
 
 SHARDED_FOLDER = "bmtwrap"
 """The sub-folder of a ``checkpoint-N`` folder that holds the sharded checkpoint."""
@@ -183,7 +185,7 @@ class _ShardedAccelerator(Accelerator):
             # The trained model was wrapped when the Trainer was built; a model that comes unwrapped is one that
             # is only run (DPO's reference model, which TRL prepares with evaluation_mode=True). It is sharded
             # as the trained model is, frozen (no gradient buffers) and in eval mode, as TRL uses it.
-            assert evaluation_mode, f"rank {self.process_index}: prepare_model got a model to train that wrap() did not shard"
+            assert evaluation_mode, f"rank {self.process_index}: prepare_model got a model to train, not sharded"
             model = wrap(model.requires_grad_(False).eval(), **self.reference_wrap_options)
         return super().prepare_model(model, device_placement=False, evaluation_mode=True)
 

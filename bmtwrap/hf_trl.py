@@ -56,11 +56,20 @@ def _refuse_trl_options(args: Optional[TrainingArguments], who: str) -> None:
                                   "also move what bmtwrap's blocks keep for backward; bmtwrap recomputes activations "
                                   "instead: leave gradient_checkpointing=True (TRL's default), and pass "
                                   "wrap_options={'offload_params': True} to move the parameters off the GPU")
-    kwargs = getattr(args, "activation_checkpointing_kwargs", None) or getattr(args, "gradient_checkpointing_kwargs", None)
+    # transformers 5.23 renamed gradient_checkpointing_kwargs to activation_checkpointing_kwargs and keeps both.
+    kwargs = getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs
     if (kwargs or {}).get("selective"):
-        raise NotImplementedError(f"{who} does not support gradient_checkpointing_kwargs={{'selective': True}}: bmtwrap "
-                                  "checkpoints whole blocks itself (Hugging Face's checkpointing, which TRL's selective "
-                                  "variant rides on, stays off); drop 'selective'")
+        raise NotImplementedError(f"{who} does not support gradient_checkpointing_kwargs={{'selective': True}}: "
+                                  "bmtwrap checkpoints whole blocks itself (Hugging Face's checkpointing, which TRL's "
+                                  "selective variant rides on, stays off); drop 'selective'")
+
+
+def _set_aside(trainer: ShardedTrainerMixin, args: Optional[TrainingArguments], wrap_options: Optional[Dict[str, Any]],
+               offload: Union[bool, str]) -> None:
+    """Refuse what TRL must not act on; keep the sharding options for ShardedTrainerMixin.__init__, which TRL's
+    ``__init__`` reaches with transformers.Trainer's arguments only."""
+    _refuse_trl_options(args, trainer._public_name)
+    trainer._sharding_options = (wrap_options, offload)
 
 
 class SFTTrainer(trl.SFTTrainer, ShardedTrainerMixin):
@@ -93,8 +102,7 @@ class SFTTrainer(trl.SFTTrainer, ShardedTrainerMixin):
 
     def __init__(self, *args: Any, wrap_options: Optional[Dict[str, Any]] = None,
                  offload: Union[bool, str] = "auto", **kwargs: Any) -> None:
-        _refuse_trl_options(kwargs.get("args", args[1] if len(args) > 1 else None), self._public_name)
-        self._sharding_options = (wrap_options, offload)  # taken by ShardedTrainerMixin.__init__
+        _set_aside(self, kwargs.get("args", args[1] if len(args) > 1 else None), wrap_options, offload)
         super().__init__(*args, **kwargs)
 
 
@@ -131,6 +139,5 @@ class DPOTrainer(trl.DPOTrainer, ShardedTrainerMixin):
 
     def __init__(self, *args: Any, wrap_options: Optional[Dict[str, Any]] = None,
                  offload: Union[bool, str] = "auto", **kwargs: Any) -> None:
-        _refuse_trl_options(kwargs.get("args", args[2] if len(args) > 2 else None), self._public_name)
-        self._sharding_options = (wrap_options, offload)  # taken by ShardedTrainerMixin.__init__
+        _set_aside(self, kwargs.get("args", args[2] if len(args) > 2 else None), wrap_options, offload)
         super().__init__(*args, **kwargs)

@@ -17,10 +17,6 @@ model. Resuming is compared with the uninterrupted run and is exact.
 from __future__ import annotations
 
 import ast
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -30,32 +26,18 @@ pytest.importorskip("peft")
 
 import transformers as T  # noqa: E402
 
-from launch import ROOT, TESTS, run_cases  # noqa: E402
+from launch import ROOT, run_cases, run_reference  # noqa: E402
 
 SCENARIOS = ["sft", "dpo", "dpo_precomputed", "dpo_lora"]
-TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                      "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5  # 1% of the learning rate (see the module docstring)
-
-
-def _run_reference(work) -> dict:
-    """TRL's trainers in one process of their own, with no torchrun variables."""
-    out = work / "reference.json"
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")]))
-    script = TESTS / "dist_cases" / "trl_trainers.py"
-    proc = subprocess.run([sys.executable, str(script), str(out), str(work), "--reference"], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and out.exists(), f"the reference run failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
-    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("trl")
     ours = run_cases("trl_trainers.py", 2, str(work))  # first: the reference loads the folder it saves
-    return work, ours, _run_reference(work)
+    return work, ours, run_reference("trl_trainers.py", work)
 
 
 def _case(runs, name):

@@ -167,8 +167,8 @@ def scenario(name: str) -> Callable[[], Dict[str, Any]]:
 
 def resume() -> Dict[str, Any]:
     """A fresh SFTTrainer, from other initial weights, resuming the sft case's checkpoint-2 to step 4."""
-    trainer = SFTTrainer(model=make_model(seed=1), args=SFTConfig(**common("sft_resumed", bmt.world_size(), save_steps=2)),
-                         train_dataset=SFT_DATA, processing_class=tokenizer())
+    args = SFTConfig(**common("sft_resumed", bmt.world_size(), save_steps=2))
+    trainer = SFTTrainer(model=make_model(seed=1), args=args, train_dataset=SFT_DATA, processing_class=tokenizer())
     trainer.train(resume_from_checkpoint=str(WORK / f"sft.w{bmt.world_size()}" / "checkpoint-2"))
     straight, resumed = bmt.full_state_dict(TRAINED["sft"].model), bmt.full_state_dict(trainer.model)
     return {"resumed": losses(trainer), "straight": [x for x in losses(TRAINED["sft"]) if x[0] > 2],
