@@ -28,7 +28,7 @@ import transformers as T  # noqa: E402
 
 from launch import ROOT, run_cases, run_reference  # noqa: E402
 
-SCENARIOS = ["sft", "dpo", "dpo_precomputed", "dpo_lora"]
+SCENARIOS = ["sft", "dpo", "dpo_precomputed", "dpo_lora", "dpo_lora_ref_adapter"]
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5  # 1% of the learning rate (see the module docstring)
 
@@ -75,7 +75,8 @@ def test_model_is_sharded_with_bmtwraps_checkpointing(runs, name):
 def test_dpo_reference_model_is_sharded_frozen_in_eval_mode(runs):
     r = _case(runs, "dpo")
     assert r["ref_sharded"] and r["ref_frozen"] and r["ref_eval"], r
-    for name in ("dpo_lora", "dpo_precomputed"):  # the reference is the model (adapters disabled; before training)
+    # The reference is the model: adapters disabled, its "ref" adapter active, or before training.
+    for name in ("dpo_lora", "dpo_lora_ref_adapter", "dpo_precomputed"):
         assert not _case(runs, name)["ref_sharded"], f"{name}: TRL loaded a reference model"
 
 

@@ -79,10 +79,18 @@ def make_model(seed: int = 0) -> T.LlamaForCausalLM:
     return T.LlamaForCausalLM(T.LlamaConfig(**LLAMA))
 
 
-def lora() -> Any:
+def lora(**options: Any) -> Any:
     import peft
 
-    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **options)
+
+
+def trained_adapter() -> Any:
+    """A peft model whose adapter is not zero (as if trained before): DPO trains it against a frozen copy."""
+    import peft
+
+    torch.manual_seed(1)
+    return peft.get_peft_model(make_model(), lora(init_lora_weights=False))
 
 
 def common(name: str, world: int, **overrides: Any) -> Dict[str, Any]:
@@ -114,6 +122,10 @@ def scenarios(sft: Callable[..., Any], dpo: Callable[..., Any], world: int) -> D
         # The reference is the model with its adapters disabled.
         "dpo_lora": lambda: dpo(model=make_model(), args=DPOConfig(**common("dpo_lora", world)),
                                 train_dataset=DPO_DATA, processing_class=tokenizer(), peft_config=lora()),
+        # The reference is the model with TRL's frozen copy of the adapter ("ref") active.
+        "dpo_lora_ref_adapter": lambda: dpo(model=trained_adapter(),
+                                            args=DPOConfig(**common("dpo_lora_ref_adapter", world)),
+                                            train_dataset=DPO_DATA, processing_class=tokenizer()),
     }
 
 
@@ -181,5 +193,5 @@ def save_model() -> Dict[str, Any]:
 
 
 if __name__ == "__main__":
-    run({**{name: scenario(name) for name in ("sft", "dpo", "dpo_precomputed", "dpo_lora")}, "resume": resume,
-         "save_model": save_model})
+    compared = ("sft", "dpo", "dpo_precomputed", "dpo_lora", "dpo_lora_ref_adapter")
+    run({**{name: scenario(name) for name in compared}, "resume": resume, "save_model": save_model})
