@@ -2,7 +2,10 @@
 
 ``tests/dist_cases/trl_trainers.py`` runs each scenario twice: with bmtwrap's trainer at world size 2 over
 gloo (each rank half of every global batch), and with TRL's own trainer in one separate process on the whole
-batch (no torchrun variables, no bmtwrap). fp32 on the CPU, 4 optimizer steps at learning rate 1e-3.
+batch (no torchrun variables, no bmtwrap). fp32 on the CPU, 4 optimizer steps at learning rate 1e-3. SFT padded
+and padding-free; DPO against a reference model (sharded too), against reference log-probabilities computed
+before training, and with LoRA against the model with its adapters disabled or with TRL's frozen copy of a
+trained adapter.
 
 Tolerances. The logged losses and gradient norms are sums of the same fp32 terms in another order (each rank
 half the batch, then over ranks): within 1e-5 relative, as in tests/test_trainer.py (measured: 2e-7). The final
@@ -28,7 +31,7 @@ import transformers as T  # noqa: E402
 
 from launch import ROOT, run_cases, run_reference  # noqa: E402
 
-SCENARIOS = ["sft", "dpo", "dpo_precomputed", "dpo_lora", "dpo_lora_ref_adapter"]
+SCENARIOS = ["sft", "sft_padding_free", "dpo", "dpo_precomputed", "dpo_lora", "dpo_lora_ref_adapter"]
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5  # 1% of the learning rate (see the module docstring)
 

@@ -113,6 +113,11 @@ def scenarios(sft: Callable[..., Any], dpo: Callable[..., Any], world: int) -> D
         "sft": lambda: sft(model=make_model(), args=SFTConfig(**common("sft", world, save_strategy="steps",
                                                                              save_steps=2)),
                            train_dataset=SFT_DATA, processing_class=tokenizer()),
+        # One row per rank holding its sequences end to end, told apart by position_ids.
+        "sft_padding_free": lambda: sft(model=make_model(), args=SFTConfig(**common("sft_padding_free", world,
+                                                                                     padding_free=True,
+                                                                                     max_length=None)),
+                                        train_dataset=SFT_DATA, processing_class=tokenizer()),
         "dpo": lambda: dpo(model=make_model(), ref_model=make_model(), args=DPOConfig(**common("dpo", world)),
                            train_dataset=DPO_DATA, processing_class=tokenizer()),
         # The reference log-probabilities computed once, by the model before training.
@@ -193,5 +198,5 @@ def save_model() -> Dict[str, Any]:
 
 
 if __name__ == "__main__":
-    compared = ("sft", "dpo", "dpo_precomputed", "dpo_lora", "dpo_lora_ref_adapter")
+    compared = ("sft", "sft_padding_free", "dpo", "dpo_precomputed", "dpo_lora", "dpo_lora_ref_adapter")
     run({**{name: scenario(name) for name in compared}, "resume": resume, "save_model": save_model})
