@@ -31,7 +31,8 @@ import transformers as T  # noqa: E402
 
 from launch import ROOT, run_cases, run_reference  # noqa: E402
 
-SCENARIOS = ["sft", "sft_padding_free", "dpo", "dpo_precomputed", "dpo_lora", "dpo_lora_ref_adapter"]
+SCENARIOS = ["sft", "sft_padding_free", "dpo", "dpo_precomputed", "dpo_lora", "dpo_lora_ref_adapter",
+             "dpo_from_folder"]
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5  # 1% of the learning rate (see the module docstring)
 
@@ -76,8 +77,9 @@ def test_model_is_sharded_with_bmtwraps_checkpointing(runs, name):
 
 
 def test_dpo_reference_model_is_sharded_frozen_in_eval_mode(runs):
-    r = _case(runs, "dpo")
-    assert r["ref_sharded"] and r["ref_frozen"] and r["ref_eval"], r
+    for name in ("dpo", "dpo_from_folder"):  # the reference model given, or loaded by TRL from the model's folder
+        r = _case(runs, name)
+        assert r["ref_sharded"] and r["ref_frozen"] and r["ref_eval"], (name, r)
     # The reference is the model: adapters disabled, its "ref" adapter active, or before training.
     for name in ("dpo_lora", "dpo_lora_ref_adapter", "dpo_precomputed"):
         assert not _case(runs, name)["ref_sharded"], f"{name}: TRL loaded a reference model"

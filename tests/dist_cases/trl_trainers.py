@@ -131,6 +131,10 @@ def scenarios(sft: Callable[..., Any], dpo: Callable[..., Any], world: int) -> D
         "dpo_lora_ref_adapter": lambda: dpo(model=trained_adapter(),
                                             args=DPOConfig(**common("dpo_lora_ref_adapter", world)),
                                             train_dataset=DPO_DATA, processing_class=tokenizer()),
+        # The model by its folder (the sft case's save_model): TRL loads it, and the reference model from there too.
+        "dpo_from_folder": lambda: dpo(model=str(WORK / "saved_sft"),
+                                       args=DPOConfig(**common("dpo_from_folder", world)),
+                                       train_dataset=DPO_DATA, processing_class=tokenizer()),
     }
 
 
@@ -199,4 +203,5 @@ def save_model() -> Dict[str, Any]:
 
 if __name__ == "__main__":
     compared = ("sft", "sft_padding_free", "dpo", "dpo_precomputed", "dpo_lora", "dpo_lora_ref_adapter")
-    run({**{name: scenario(name) for name in compared}, "resume": resume, "save_model": save_model})
+    run({**{name: scenario(name) for name in compared}, "resume": resume, "save_model": save_model,
+         "dpo_from_folder": scenario("dpo_from_folder")})
