@@ -14,7 +14,8 @@ meets the parameters changes:
 - the model is sharded by :func:`bmtwrap.wrap` before Trainer sees it, and never wrapped again:
   :class:`_ShardedAccelerator` prepares it as accelerate prepares a model for evaluation
   (autocast, no DDP/FSDP, no ``.to()``), and ``_move_model_to_device`` leaves the shards where
-  ``wrap`` put them;
+  ``wrap`` put them; a second model prepared for evaluation only (TRL's DPO reference model) is
+  sharded there, like the first, frozen;
 - gradient clipping uses the norm over all shards (:func:`bmtwrap.optim.optim_manager.grad_norm`);
   ``torch.nn.utils.clip_grad_norm_`` on the shards would clip each rank by its own part's norm;
 - the optimizer is bmtwrap's Adam(W), built from TrainingArguments with Trainer's own
@@ -169,12 +170,13 @@ class _ShardedAccelerator(Accelerator):
 
     Data loaders, optimizers, autocast, gathering metrics and ``backward`` stay accelerate's.
     ``reference_wrap_options``: how a model prepared for evaluation only (TRL's reference model)
-    is sharded.
+    is sharded; ``trainer_name`` names the trainer in the errors about it.
     """
 
-    def __init__(self, *, reference_wrap_options: Dict[str, Any], **kwargs: Any) -> None:
+    def __init__(self, *, reference_wrap_options: Dict[str, Any], trainer_name: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.reference_wrap_options = reference_wrap_options
+        self.trainer_name = trainer_name
 
     def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None,
                       evaluation_mode: bool = False) -> nn.Module:
@@ -186,6 +188,7 @@ class _ShardedAccelerator(Accelerator):
             # is only run (DPO's reference model, which TRL prepares with evaluation_mode=True). It is sharded
             # as the trained model is, frozen (no gradient buffers) and in eval mode, as TRL uses it.
             assert evaluation_mode, f"rank {self.process_index}: prepare_model got a model to train, not sharded"
+            refuse_unsupported_model(model, None, f"{self.trainer_name} (its reference model)")
             model = wrap(model.requires_grad_(False).eval(), **self.reference_wrap_options)
         return super().prepare_model(model, device_placement=False, evaluation_mode=True)
 
@@ -297,7 +300,7 @@ class ShardedTrainerMixin(transformers.Trainer):
                                       "bmtwrap shards the model itself: launch with torchrun, or with an accelerate "
                                       "config of plain multi-GPU/CPU")
         self.accelerator = _ShardedAccelerator(reference_wrap_options=self._reference_wrap_options,
-                                               **self._accelerator_kwargs)
+                                               trainer_name=self._public_name, **self._accelerator_kwargs)
         self.gather_function = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(self.gather_function).parameters:
             self.gather_function = functools.partial(self.gather_function,

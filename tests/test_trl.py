@@ -20,6 +20,7 @@ model. Resuming is compared with the uninterrupted run and is exact.
 from __future__ import annotations
 
 import ast
+import re
 
 import pytest
 import torch
@@ -83,6 +84,11 @@ def test_dpo_reference_model_is_sharded_frozen_in_eval_mode(runs):
     # The reference is the model: adapters disabled, its "ref" adapter active, or before training.
     for name in ("dpo_lora", "dpo_lora_ref_adapter", "dpo_precomputed"):
         assert not _case(runs, name)["ref_sharded"], f"{name}: TRL loaded a reference model"
+
+
+def test_reference_model_bmtwrap_cannot_shard_is_refused(runs):
+    assert re.fullmatch(r"bmtwrap.hf.DPOTrainer \(its reference model\) does not support quantized models .*"
+                        r"load the model in bf16 or fp32", _case(runs, "quantized_reference")["error_text"])
 
 
 def test_sft_resume_from_checkpoint_is_exact(runs):

@@ -201,7 +201,19 @@ def save_model() -> Dict[str, Any]:
     return {"files": sorted(p.name for p in (WORK / "saved_sft").iterdir())}
 
 
+def quantized_reference() -> Dict[str, Any]:
+    """A reference model bmtwrap cannot shard (here: marked quantized) is refused when TRL prepares it."""
+    ref = make_model()
+    ref.hf_quantizer = object()
+    try:
+        DPOTrainer(model=make_model(), ref_model=ref, args=DPOConfig(**common("quantized", bmt.world_size())),
+                   train_dataset=DPO_DATA, processing_class=tokenizer())
+    except NotImplementedError as error:
+        return {"error_text": str(error)}
+    return {"error_text": "no error"}
+
+
 if __name__ == "__main__":
     compared = ("sft", "sft_padding_free", "dpo", "dpo_precomputed", "dpo_lora", "dpo_lora_ref_adapter")
     run({**{name: scenario(name) for name in compared}, "resume": resume, "save_model": save_model,
-         "dpo_from_folder": scenario("dpo_from_folder")})
+         "dpo_from_folder": scenario("dpo_from_folder"), "quantized_reference": quantized_reference})
