@@ -27,12 +27,14 @@ model. So:
   runs, so nothing else is needed. ``accelerator.unwrap_model`` gives the model itself (it is
   wrapped in nothing).
 - ``precompute_ref_log_probs=True`` runs the reference (or, before training, the model) over the
-  datasets on every rank, each its own part, as TRL does under DDP.
+  datasets on every rank, each its own part, as TRL does under DDP (and, as there, needs a dataset
+  with files: TRL caches the log-probabilities next to them for every rank to read).
 
-Refused before anything is built: ``activation_offloading`` and
-selective activation checkpointing, whose saved-tensor hooks and checkpoint wrappers are not made
-for bmtwrap's blocks (bmtwrap's own checkpointing and ``wrap_options={"offload_params": True}``
-save that memory instead); everything :class:`bmtwrap.hf.Trainer` refuses.
+Refused before anything is built: ``activation_offloading`` and selective activation
+checkpointing, whose saved-tensor hooks and checkpoint wrappers were not made for bmtwrap's blocks
+(which gather, release and recompute their parameters); bmtwrap's own checkpointing and
+``wrap_options={"offload_params": True}`` save that memory instead. And everything
+:class:`bmtwrap.hf.Trainer` refuses.
 """
 
 from __future__ import annotations
@@ -52,9 +54,10 @@ def _refuse_trl_options(args: Optional[TrainingArguments], who: str) -> None:
     if args is None:
         return
     if getattr(args, "activation_offloading", False):
-        raise NotImplementedError(f"{who} does not support activation_offloading=True: its saved-tensor hooks would "
-                                  "also move what bmtwrap's blocks keep for backward; bmtwrap recomputes activations "
-                                  "instead: leave gradient_checkpointing=True (TRL's default), and pass "
+        raise NotImplementedError(f"{who} does not support activation_offloading=True: its saved-tensor hooks were "
+                                  "not made for bmtwrap's blocks, which gather, release and recompute their "
+                                  "parameters; bmtwrap recomputes activations instead: leave "
+                                  "gradient_checkpointing=True (TRL's default), and pass "
                                   "wrap_options={'offload_params': True} to move the parameters off the GPU")
     # transformers 5.23 renamed gradient_checkpointing_kwargs to activation_checkpointing_kwargs and keeps both.
     kwargs = getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs
