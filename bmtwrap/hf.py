@@ -59,8 +59,8 @@ from .optim.optim_manager import clip_grads_with_norm, grad_norm
 from .wrap import wrap
 from .wrap.convert import wrapped_record
 
-# SFTTrainer and DPOTrainer are here too, from hf_trl on first use (see __getattr__ at the end): not in __all__,
-# so that `from bmtwrap.hf import *` needs no trl.
+# SFTTrainer, DPOTrainer and sharded are here too, from hf_trl on first use (see __getattr__ at the end): not in
+# __all__, so that `from bmtwrap.hf import *` needs no trl.
 __all__ = ["Trainer", "ShardedTrainerMixin"]
 
 SHARDED_FOLDER = "bmtwrap"
@@ -227,6 +227,9 @@ class ShardedTrainerMixin(transformers.Trainer):
 
         class KTOTrainer(trl.KTOTrainer, ShardedTrainerMixin):
             pass
+
+    :func:`bmtwrap.hf_trl.sharded` makes such a class that also takes ``wrap_options=`` and ``offload=``
+    (``bmtwrap.hf.sharded(trl.KTOTrainer)``).
 
     The class docstring of :class:`Trainer` says what changes and what is refused.
 
@@ -544,7 +547,7 @@ class Trainer(ShardedTrainerMixin):
 def __getattr__(name: str) -> Any:
     # TRL's trainers on a sharded model come from bmtwrap.hf_trl, imported on first use: `import bmtwrap.hf`
     # does not need trl.
-    if name in ("SFTTrainer", "DPOTrainer"):
+    if name in ("SFTTrainer", "DPOTrainer", "sharded"):
         from . import hf_trl
 
         return getattr(hf_trl, name)

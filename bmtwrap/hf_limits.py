@@ -6,7 +6,7 @@ Checked when a Trainer is built, before any collective: a refusal raises on ever
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Iterable, NamedTuple, Optional
 
 from torch import nn
 from transformers import TrainingArguments
@@ -104,3 +104,23 @@ def refuse_unsupported_model(model: Optional[nn.Module], model_init: Any, who: s
         raise NotImplementedError("this model was already distributed by transformers (distributed_config or "
                                   "tp_plan); bmtwrap shards it itself: load it without them")
     return model
+
+
+def refuse_trl_options(given: Iterable[Any], who: str) -> None:
+    """Raise for the TRL settings that cannot work on a sharded model, before TRL acts on them; ``given``: a
+    trainer's arguments, the TrainingArguments among them (a TRL config) are read."""
+    for args in given:
+        if not isinstance(args, TrainingArguments):
+            continue
+        if getattr(args, "activation_offloading", False):
+            raise NotImplementedError(f"{who} does not support activation_offloading=True: its saved-tensor hooks "
+                                      "were not made for bmtwrap's blocks, which gather, release and recompute their "
+                                      "parameters; bmtwrap recomputes activations instead: leave "
+                                      "gradient_checkpointing=True (TRL's default), and pass "
+                                      "wrap_options={'offload_params': True} to move the parameters off the GPU")
+        # transformers 5.23 renamed gradient_checkpointing_kwargs to activation_checkpointing_kwargs, keeping both.
+        kwargs = getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs
+        if (kwargs or {}).get("selective"):
+            raise NotImplementedError(f"{who} does not support gradient_checkpointing_kwargs={{'selective': True}}: "
+                                      "bmtwrap checkpoints whole blocks itself (Hugging Face's checkpointing, which "
+                                      "TRL's selective variant rides on, stays off); drop 'selective'")

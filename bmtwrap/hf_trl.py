@@ -39,40 +39,61 @@ checkpointing, whose saved-tensor hooks and checkpoint wrappers were not made fo
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Iterable, Optional, Union
 
+import transformers
 import trl
-from transformers import TrainingArguments
 
 from .hf import ShardedTrainerMixin
+from .hf_limits import refuse_trl_options
 
-__all__ = ["SFTTrainer", "DPOTrainer"]
-
-
-def _refuse_trl_options(args: Optional[TrainingArguments], who: str) -> None:
-    """Raise for the TRL settings that cannot work on a sharded model, before TRL acts on them."""
-    if args is None:
-        return
-    if getattr(args, "activation_offloading", False):
-        raise NotImplementedError(f"{who} does not support activation_offloading=True: its saved-tensor hooks were "
-                                  "not made for bmtwrap's blocks, which gather, release and recompute their "
-                                  "parameters; bmtwrap recomputes activations instead: leave "
-                                  "gradient_checkpointing=True (TRL's default), and pass "
-                                  "wrap_options={'offload_params': True} to move the parameters off the GPU")
-    # transformers 5.23 renamed gradient_checkpointing_kwargs to activation_checkpointing_kwargs and keeps both.
-    kwargs = getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs
-    if (kwargs or {}).get("selective"):
-        raise NotImplementedError(f"{who} does not support gradient_checkpointing_kwargs={{'selective': True}}: "
-                                  "bmtwrap checkpoints whole blocks itself (Hugging Face's checkpointing, which TRL's "
-                                  "selective variant rides on, stays off); drop 'selective'")
+__all__ = ["SFTTrainer", "DPOTrainer", "sharded"]
 
 
-def _set_aside(trainer: ShardedTrainerMixin, args: Optional[TrainingArguments], wrap_options: Optional[Dict[str, Any]],
-               offload: Union[bool, str]) -> None:
-    """Refuse what TRL must not act on; keep the sharding options for ShardedTrainerMixin.__init__, which TRL's
-    ``__init__`` reaches with transformers.Trainer's arguments only."""
-    _refuse_trl_options(args, trainer._public_name)
+def _set_sharding_options(trainer: ShardedTrainerMixin, given: Iterable[Any], wrap_options: Optional[Dict[str, Any]],
+                         offload: Union[bool, str]) -> None:
+    """For the ``__init__`` of a class that puts :class:`~bmtwrap.hf.ShardedTrainerMixin` under a trainer whose own
+    ``__init__`` takes no ``wrap_options`` (TRL's): refuse the TRL settings that cannot work (``given``: the
+    trainer's arguments), and keep the options for the mixin, which that ``__init__`` reaches with
+    ``transformers.Trainer``'s arguments only."""
+    refuse_trl_options(given, trainer._public_name)
     trainer._sharding_options = (wrap_options, offload)
+
+
+def sharded(trainer_class: type) -> type:
+    """``trainer_class``, a subclass of ``transformers.Trainer`` (a TRL trainer), training a model sharded by bmtwrap.
+
+    The class returned lists :class:`~bmtwrap.hf.ShardedTrainerMixin` last, under ``trainer_class``, and takes
+    ``trainer_class``'s arguments and ``wrap_options=`` and ``offload=`` (as :class:`bmtwrap.hf.Trainer`).
+    :class:`SFTTrainer` and :class:`DPOTrainer` are made the same way (with docstrings of their own) and
+    tested against TRL's own; trainers made by this function are not, beyond the composition itself.
+
+    Args:
+        trainer_class: the trainer class, e.g. ``trl.KTOTrainer``.
+
+    Returns:
+        The class, of the same name.
+
+    Raises:
+        TypeError: ``trainer_class`` is not a subclass of ``transformers.Trainer``.
+
+    Example::
+
+        KTOTrainer = bmtwrap.hf.sharded(trl.KTOTrainer)  # instead of: from trl import KTOTrainer
+    """
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, transformers.Trainer)):
+        raise TypeError(f"sharded() takes a subclass of transformers.Trainer, got {trainer_class!r}")
+
+    def __init__(self: ShardedTrainerMixin, *args: Any, wrap_options: Optional[Dict[str, Any]] = None,
+                 offload: Union[bool, str] = "auto", **kwargs: Any) -> None:
+        _set_sharding_options(self, (*args, *kwargs.values()), wrap_options, offload)
+        trainer_class.__init__(self, *args, **kwargs)
+
+    name = trainer_class.__name__
+    return type(name, (trainer_class, ShardedTrainerMixin), {
+        "__init__": __init__, "__module__": "bmtwrap.hf", "__qualname__": name,
+        "__doc__": f"{trainer_class.__module__}.{name} on a model sharded by bmtwrap (bmtwrap.hf.sharded).",
+        "_public_name": f"bmtwrap.hf.sharded({name})"})
 
 
 class SFTTrainer(trl.SFTTrainer, ShardedTrainerMixin):
@@ -105,7 +126,7 @@ class SFTTrainer(trl.SFTTrainer, ShardedTrainerMixin):
 
     def __init__(self, *args: Any, wrap_options: Optional[Dict[str, Any]] = None,
                  offload: Union[bool, str] = "auto", **kwargs: Any) -> None:
-        _set_aside(self, kwargs.get("args", args[1] if len(args) > 1 else None), wrap_options, offload)
+        _set_sharding_options(self, (*args, *kwargs.values()), wrap_options, offload)
         super().__init__(*args, **kwargs)
 
 
@@ -142,5 +163,5 @@ class DPOTrainer(trl.DPOTrainer, ShardedTrainerMixin):
 
     def __init__(self, *args: Any, wrap_options: Optional[Dict[str, Any]] = None,
                  offload: Union[bool, str] = "auto", **kwargs: Any) -> None:
-        _set_aside(self, kwargs.get("args", args[2] if len(args) > 2 else None), wrap_options, offload)
+        _set_sharding_options(self, (*args, *kwargs.values()), wrap_options, offload)
         super().__init__(*args, **kwargs)

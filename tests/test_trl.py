@@ -93,6 +93,7 @@ def test_reference_model_bmtwrap_cannot_shard_is_refused(runs):
 
 def test_sft_resume_from_checkpoint_is_exact(runs):
     r = _case(runs, "resume")
+    assert r["class"] == "SFTTrainer" and r["sharded"], "bmtwrap.hf.sharded(trl.SFTTrainer) did not shard"
     resumed = [x for x in r["resumed"] if x[0] > 2]
     assert [x[0] for x in resumed] == [x[0] for x in r["straight"]] == [3, 4]
     for (step, loss, norm), (_, ref_loss, ref_norm) in zip(resumed, r["straight"]):
@@ -133,6 +134,18 @@ def test_selective_checkpointing_is_refused(tmp_path):
                          report_to=[], bf16=False)
     with pytest.raises(NotImplementedError, match=r"gradient_checkpointing_kwargs=\{'selective': True\}.*drop"):
         SFTTrainer(_tiny(), args, train_dataset=None)
+
+
+def test_sharded_refuses_what_is_not_a_trainer_and_checks_trl_options(tmp_path):
+    import trl
+    from bmtwrap.hf import sharded
+
+    with pytest.raises(TypeError, match="sharded\\(\\) takes a subclass of transformers.Trainer, got <class 'int'>"):
+        sharded(int)
+    args = trl.SFTConfig(str(tmp_path), activation_offloading=True, use_cpu=True, report_to=[], bf16=False)
+    with pytest.raises(NotImplementedError, match=r"bmtwrap.hf.sharded\(SFTTrainer\) does not support "
+                                                  r"activation_offloading=True"):
+        sharded(trl.SFTTrainer)(_tiny(), args, train_dataset=None)
 
 
 def test_mixin_listed_first_is_refused(tmp_path):

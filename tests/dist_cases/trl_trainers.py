@@ -161,7 +161,7 @@ if REFERENCE:
 # --- bmtwrap's trainers under torchrun ---------------------------------------------------------------------
 
 import bmtwrap as bmt  # noqa: E402  (the reference above must run without bmtwrap)
-from bmtwrap.hf import DPOTrainer, SFTTrainer  # noqa: E402
+from bmtwrap.hf import DPOTrainer, SFTTrainer, sharded  # noqa: E402
 from bmtwrap.wrap.convert import wrapped_record  # noqa: E402
 from common import run  # noqa: E402
 
@@ -187,12 +187,17 @@ def scenario(name: str) -> Callable[[], Dict[str, Any]]:
 
 
 def resume() -> Dict[str, Any]:
-    """A fresh SFTTrainer, from other initial weights, resuming the sft case's checkpoint-2 to step 4."""
+    """A fresh SFTTrainer, from other initial weights, resuming the sft case's checkpoint-2 to step 4; made by
+    bmtwrap.hf.sharded (the same class as bmtwrap.hf.SFTTrainer, wrap_options stating wrap's choice here)."""
+    import trl
+
     args = SFTConfig(**common("sft_resumed", bmt.world_size(), save_steps=2))
-    trainer = SFTTrainer(model=make_model(seed=1), args=args, train_dataset=SFT_DATA, processing_class=tokenizer())
+    trainer = sharded(trl.SFTTrainer)(model=make_model(seed=1), args=args, train_dataset=SFT_DATA,
+                                      processing_class=tokenizer(), wrap_options={"checkpoint": True})
     trainer.train(resume_from_checkpoint=str(WORK / f"sft.w{bmt.world_size()}" / "checkpoint-2"))
     straight, resumed = bmt.full_state_dict(TRAINED["sft"].model), bmt.full_state_dict(trainer.model)
-    return {"resumed": losses(trainer), "straight": [x for x in losses(TRAINED["sft"]) if x[0] > 2],
+    return {"class": type(trainer).__name__, "sharded": wrapped_record(trainer.model) is not None,
+            "resumed": losses(trainer), "straight": [x for x in losses(TRAINED["sft"]) if x[0] > 2],
             "param_max_abs": max((straight[k] - resumed[k]).abs().max().item() for k in straight)}
 
 
