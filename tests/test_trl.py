@@ -9,12 +9,14 @@ trained adapter.
 
 Tolerances. The logged losses and gradient norms are sums of the same fp32 terms in another order (each rank
 half the batch, then over ranks): within 1e-5 relative, as in tests/test_trainer.py (measured: 2e-7). The final
-parameters: within 1e-5 elementwise, 1% of the learning rate, which is the size of one Adam step of every weight
-whatever its gradient: gradients that differ by rounding move the weights by far less (measured: 2e-7), while a
-lost micro-batch, a rank's own gradient norm or a reference model that is not the initial one moves them by a
-sizeable part of a step. tests/test_trainer.py bounds the same engine's gradients and AdamW updates from the
-rounding itself; what this file adds is TRL's losses (its fused LM head, DPO's reference pass) on a sharded
-model. Resuming is compared with the uninterrupted run and is exact.
+parameters: within 1e-5 elementwise, 1% of the learning rate, which is about the size of an Adam step of any weight
+in these first steps, whatever its gradient: gradients that differ by rounding move the weights by far less
+(measured: 2e-7), while a lost micro-batch, a rank's own gradient norm or a reference model that is not the initial
+one moves them by a sizeable part of a step. The one exception, a weight whose gradient is itself within rounding
+of zero (Adam may then step it either way), is absent here as measured; tests/test_trainer.py bounds the same
+engine's gradients and AdamW updates from the rounding itself, that case included. What this file adds is TRL's
+losses (its fused LM head, DPO's reference pass) on a sharded model. Resuming is compared with the uninterrupted
+run and is exact.
 """
 
 from __future__ import annotations
