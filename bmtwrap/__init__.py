@@ -16,7 +16,8 @@ Public names only; see each one's docstring. A BMTrain program runs after ``impo
 #                    auto.py (checkpoint="auto"); it reaches the engine directly, never through bmtrain/
 #   optim/           AdamOptimizer, AdamOffloadOptimizer, OptimManager (import the engine only)
 #   checkpoint/      full, sharded and Hugging Face checkpoints (import wrap, optim and the engine)
-#   loss.py, lr_scheduler.py, hf.py (Trainer), __main__.py (the CLI): the other front ends
+#   loss.py, lr_scheduler.py, hf.py (Trainer), hf_trl.py (TRL's trainers), hf_limits.py, __main__.py (the CLI):
+#                    the other front ends
 #   data/            training data for causal LMs: records read, rendered with chat templates, tokenized with
 #                    labels, padded (imports no other part; datasets only when data is read; not imported here)
 

@@ -14,7 +14,8 @@ meets the parameters changes:
 - the model is sharded by :func:`bmtwrap.wrap` before Trainer sees it, and never wrapped again:
   :class:`_ShardedAccelerator` prepares it as accelerate prepares a model for evaluation
   (autocast, no DDP/FSDP, no ``.to()``), and ``_move_model_to_device`` leaves the shards where
-  ``wrap`` put them;
+  ``wrap`` put them; a second model prepared for evaluation only (TRL's DPO reference model) is
+  sharded there, like the first, frozen;
 - gradient clipping uses the norm over all shards (:func:`bmtwrap.optim.optim_manager.grad_norm`);
   ``torch.nn.utils.clip_grad_norm_`` on the shards would clip each rank by its own part's norm;
 - the optimizer is bmtwrap's Adam(W), built from TrainingArguments with Trainer's own
@@ -39,7 +40,7 @@ import inspect
 import math
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, NamedTuple, Optional, Union
+from typing import Any, Dict, Iterable, Optional, Union
 
 import torch
 import transformers
@@ -52,12 +53,15 @@ from .engine import dist as _dist
 from .checkpoint import load_checkpoint, save, save_checkpoint, save_pretrained
 from .checkpoint.sharded_format import INDEX
 from .engine.full_state import full_state_dict
+from .hf_limits import refuse_unsupported_args, refuse_unsupported_model
 from .optim import AdamOffloadOptimizer, AdamOptimizer, auto_adam
 from .optim.optim_manager import clip_grads_with_norm, grad_norm
 from .wrap import wrap
 from .wrap.convert import wrapped_record
 
-__all__ = ["Trainer"]
+# SFTTrainer, DPOTrainer and sharded are here too, from hf_trl on first use (see __getattr__ at the end): not in
+# __all__, so that `from bmtwrap.hf import *` needs no trl.
+__all__ = ["Trainer", "ShardedTrainerMixin"]
 
 SHARDED_FOLDER = "bmtwrap"
 """The sub-folder of a ``checkpoint-N`` folder that holds the sharded checkpoint."""
@@ -68,100 +72,6 @@ ADAMW_FAMILY = frozenset({"adamw_torch", "adamw_torch_fused", "adamw_torch_xla",
 
 _TRAINER_SIGNATURE = inspect.signature(transformers.Trainer.__init__)
 _DEFAULT_DDP_TIMEOUT = next(f.default for f in dataclasses.fields(TrainingArguments) if f.name == "ddp_timeout")
-
-
-def _fsdp_as_given(args: TrainingArguments) -> str:
-    """``args.fsdp`` as the user spelt it, near enough.
-
-    TrainingArguments (5.x) turns every ``fsdp`` into ``True`` and moves the legacy words into
-    ``fsdp_config`` (``"full_shard"``: ``reshard_after_forward=True``, ``"shard_grad_op"``: False,
-    ``"offload"``: ``cpu_offload``); printing ``fsdp=True`` would name a value nobody wrote.
-    """
-    if not isinstance(args.fsdp, bool):  # a string or a list of FSDPOption, as given
-        words = args.fsdp.split() if isinstance(args.fsdp, str) else [getattr(w, "value", w) for w in args.fsdp]
-        return repr(" ".join(words))
-    config = args.fsdp_config if isinstance(args.fsdp_config, dict) else {}
-    reshard = config.get("reshard_after_forward")
-    words = [{True: "full_shard", False: "shard_grad_op"}.get(reshard, reshard)] if reshard is not None else []
-    words += ["offload"] if config.get("cpu_offload") else []
-    return repr(" ".join(words)) if words else repr(args.fsdp)
-
-
-class _Limit(NamedTuple):
-    """A TrainingArguments setting bmtwrap's Trainer refuses, and what to do instead."""
-
-    argument: str  # attribute path on TrainingArguments
-    applies: Callable[[TrainingArguments], bool]
-    instead: str
-    shown: Optional[Callable[[TrainingArguments], str]] = None  # the value in the message; default its repr
-
-
-_LIMITS = (
-    _Limit("deepspeed", lambda a: bool(a.deepspeed),
-           "bmtwrap shards the model itself (ZeRO-3); remove deepspeed=, and pass offload=True (and "
-           "wrap_options={'offload_params': True}) for CPU offload"),
-    _Limit("fsdp", lambda a: bool(a.fsdp),
-           "bmtwrap shards the model itself (ZeRO-3); remove fsdp= and fsdp_config=, and pass the sharding "
-           "options as wrap_options", _fsdp_as_given),
-    _Limit("fsdp_config", lambda a: bool(a.fsdp_config),
-           "bmtwrap shards the model itself (ZeRO-3); remove fsdp= and fsdp_config=, and pass the sharding "
-           "options as wrap_options"),
-    _Limit("fp16", lambda a: bool(a.fp16),
-           "the gradient scaler checks each rank's gradient shards for inf/nan on its own, so the ranks could "
-           "disagree on skipping a step; use bf16=True, which needs no loss scaling"),
-    _Limit("fp16_full_eval", lambda a: bool(a.fp16_full_eval),
-           "it casts the model with .to(dtype), which would replace the sharded parameters; use bf16=True "
-           "(autocast) or load the model in the dtype you want"),
-    _Limit("bf16_full_eval", lambda a: bool(a.bf16_full_eval),
-           "it casts the model with .to(dtype), which would replace the sharded parameters; use bf16=True "
-           "(autocast) or load the model in the dtype you want"),
-    _Limit("torch_compile", lambda a: bool(a.torch_compile),
-           "torch.compile does not trace through bmtwrap's gathers and reductions; leave torch_compile off"),
-    _Limit("auto_find_batch_size", lambda a: bool(a.auto_find_batch_size),
-           "an out-of-memory error on one rank would leave the others waiting in a collective; set "
-           "per_device_train_batch_size yourself"),
-    _Limit("use_liger_kernel", lambda a: bool(a.use_liger_kernel),
-           "Liger replaces the forward of modules that bmtwrap has already made into sharded blocks; leave "
-           "use_liger_kernel off"),
-    _Limit("accelerator_config.even_batches", lambda a: not a.accelerator_config.even_batches,
-           "every forward of a sharded model is a collective, so every rank must run the same number of "
-           "batches; leave even_batches=True"),
-    _Limit("parallelism_config", lambda a: getattr(a, "parallelism_config", None) is not None,
-           "bmtwrap shards parameters over all ranks (ZeRO) and has no tensor, context or sequence "
-           "parallelism; remove parallelism_config"),
-)
-
-
-def _value(args: TrainingArguments, path: str) -> Any:
-    return functools.reduce(getattr, path.split("."), args)
-
-
-def _refuse_unsupported_args(args: TrainingArguments) -> None:
-    """Raise for every TrainingArguments setting that cannot work on a sharded model (before any collective)."""
-    for limit in _LIMITS:
-        if limit.applies(args):
-            shown = limit.shown(args) if limit.shown is not None else repr(_value(args, limit.argument))
-            raise NotImplementedError(f"bmtwrap.hf.Trainer does not support {limit.argument}={shown}: {limit.instead}")
-
-
-def _refuse_unsupported_model(model: Optional[nn.Module], model_init: Any) -> nn.Module:
-    """The model, if bmtwrap can shard it; raise otherwise."""
-    if model_init is not None:
-        raise NotImplementedError("bmtwrap.hf.Trainer does not support model_init= (nor hyperparameter_search): "
-                                  "it shards the model once, when the Trainer is built; pass model= instead")
-    if model is None:
-        raise ValueError("bmtwrap.hf.Trainer needs model=, the model to shard and train")
-    placed = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values() if d not in ("cpu", "disk")}
-    if len(placed) > 1:
-        raise NotImplementedError(f"the model was loaded with a device_map spreading it over {sorted(placed)}; "
-                                  "bmtwrap shards it over the ranks itself: load it without device_map (on the CPU)")
-    if getattr(model, "hf_quantizer", None) is not None or getattr(model, "is_quantized", False):
-        raise NotImplementedError("bmtwrap.hf.Trainer does not support quantized models (bitsandbytes and the like): "
-                                  "their packed weights cannot be cut into flat shards; load the model in bf16 or fp32")
-    if getattr(model, "is_distributed_loading_by_transformers", False) or (getattr(model, "tp_size", None) or 1) > 1:
-        raise NotImplementedError("this model was already distributed by transformers (distributed_config or "
-                                  "tp_plan); bmtwrap shards it itself: load it without them")
-    return model
 
 
 def _uses_checkpointing(args: TrainingArguments) -> bool:
@@ -259,14 +169,27 @@ class _ShardedAccelerator(Accelerator):
     """accelerate's Accelerator for a model that bmtwrap has sharded.
 
     Data loaders, optimizers, autocast, gathering metrics and ``backward`` stay accelerate's.
+    ``reference_wrap_options``: how a model prepared for evaluation only (TRL's reference model)
+    is sharded; ``trainer_name`` names the trainer in the errors about it.
     """
+
+    def __init__(self, *, reference_wrap_options: Dict[str, Any], trainer_name: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.reference_wrap_options = reference_wrap_options
+        self.trainer_name = trainer_name
 
     def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None,
                       evaluation_mode: bool = False) -> nn.Module:
         # bmtwrap placed every shard and averages the gradients over ranks itself: DDP or FSDP
         # would wrap (and .to() would move) what is already distributed. Prepared as accelerate
         # prepares a model for evaluation, it gets autocast (bf16) and nothing else.
-        assert wrapped_record(model) is not None, f"rank {self.process_index}: prepare_model got a model wrap() did not shard"
+        if wrapped_record(model) is None:
+            # The trained model was wrapped when the Trainer was built; a model that comes unwrapped is one that
+            # is only run (DPO's reference model, which TRL prepares with evaluation_mode=True). It is sharded
+            # as the trained model is, frozen (no gradient buffers) and in eval mode, as TRL uses it.
+            assert evaluation_mode, f"rank {self.process_index}: prepare_model got a model to train, not sharded"
+            refuse_unsupported_model(model, None, f"{self.trainer_name} (its reference model)")
+            model = wrap(model.requires_grad_(False).eval(), **self.reference_wrap_options)
         return super().prepare_model(model, device_placement=False, evaluation_mode=True)
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float,
@@ -282,109 +205,59 @@ class _ShardedAccelerator(Accelerator):
         return total
 
 
-class Trainer(transformers.Trainer):
-    """Hugging Face's ``transformers.Trainer``, training a model sharded by bmtwrap (ZeRO-3).
+def _check_place_in_mro(cls: type) -> None:
+    """The mixin must sit right above ``transformers.Trainer``, so that every subclass has prepared the model
+    before the mixin shards it, and its overrides are the last word before Trainer's own."""
+    mro = cls.__mro__
+    below = mro[mro.index(ShardedTrainerMixin) + 1]
+    if below is not transformers.Trainer:
+        raise TypeError(f"{cls.__name__} lists ShardedTrainerMixin before {below.__name__}: the mixin shards the model "
+                        f"{below.__name__} prepares, so it goes last, right above transformers.Trainer: "
+                        f"class {cls.__name__}({below.__name__}, ShardedTrainerMixin)")
 
-    Takes every argument ``transformers.Trainer`` takes and behaves the same; see
-    [Note: where Trainer is changed] in this module for what differs underneath. Launch with
-    ``torchrun --nproc_per_node=N script.py`` (on a machine without GPUs, with ``use_cpu=True`` in
-    TrainingArguments); ``python script.py`` trains in one process.
 
-    - The model is sharded by :func:`bmtwrap.wrap` when the Trainer is built (joining the process
-      group first, with :func:`bmtwrap.init_distributed` if it was not called); Trainer and
-      accelerate use the same default process group, and accelerate still gives each rank its own
-      share of every global batch. The model is never wrapped in DDP, DataParallel or FSDP.
-    - The optimizer is :func:`bmtwrap.optim.auto_adam`'s choice (:class:`bmtwrap.optim.AdamOptimizer`;
-      :class:`bmtwrap.optim.AdamOffloadOptimizer` with ``offload_fraction="auto"`` when
-      ``wrap_options`` set ``max_gpu_memory`` or the parameters were offloaded; with ``offload=True``,
-      :class:`bmtwrap.optim.AdamOffloadOptimizer`, all state on the host) with ``learning_rate``, ``adam_beta1``,
-      ``adam_beta2``, ``adam_epsilon`` and ``weight_decay`` from TrainingArguments and Trainer's
-      decay/no-decay parameter split; ``args.optim`` must name full-precision AdamW
-      (:data:`ADAMW_FAMILY`, Trainer's default among them), unless ``optimizers=`` or
-      ``optimizer_cls_and_kwargs=`` choose the optimizer.
-    - ``max_grad_norm`` clips by the norm of the whole gradient, over all shards.
-    - ``args.gradient_checkpointing=True`` (``activation_checkpointing`` in newer transformers)
-      means ``wrap(checkpoint=True)``: bmtwrap recomputes each block in backward (without the
-      flag, ``wrap``'s default ``checkpoint="auto"`` keeps what fits). The flag is switched off on
-      ``args``, so Hugging Face's own checkpointing is not added on top; its kwargs
-      (``use_reentrant``, ...) are not used.
-    - A ``checkpoint-N`` folder holds, beside Trainer's ``trainer_state.json`` and RNG files, a
-      sharded checkpoint in ``checkpoint-N/bmtwrap/`` (:func:`bmtwrap.save_checkpoint`: model,
-      optimizer and scheduler, every rank writing its own pieces) instead of the full weights;
-      ``train(resume_from_checkpoint=...)`` reads it back (at this or another world size); at the
-      same world size, training continues exactly as the uninterrupted run would have.
-      ``save_total_limit`` and ``load_best_model_at_end`` work on these folders. A checkpoint
-      saved with ``save_only_model=True`` holds no optimizer state and cannot be resumed (as with
-      plain Trainer).
-    - ``save_model(dir)`` (call it on every rank) writes a folder that plain transformers loads
-      (:func:`bmtwrap.save_pretrained`); for a peft model, the adapters in peft's format, gathered
-      to full size, for ``PeftModel.from_pretrained``; for another ``nn.Module``,
-      ``model.safetensors`` with the unwrapped model's keys. The tokenizer (processing class) and
-      ``training_args.bin`` are written beside, as Trainer does.
-    - ``evaluate()`` and ``predict()`` run on every rank (the forward is a collective) and gather
-      as Trainer does; ``trainer.model.generate()`` works when called on every rank.
-    - ``ddp_timeout`` is the process group's timeout where this Trainer (or accelerate, from the
-      same arguments) makes the group; a group made before keeps its own, with a warning when
-      ``ddp_timeout`` was set to another.
+class ShardedTrainerMixin(transformers.Trainer):
+    """The behaviour of :class:`Trainer`, for any subclass of ``transformers.Trainer``.
 
-    Args:
-        model: the model to train: a transformers ``PreTrainedModel``, a peft model built on one,
-            or any ``nn.Module`` that returns a loss; on the CPU (or this rank's GPU), every rank
-            holding the same weights. It is sharded in place; an already wrapped model is used as
-            it is (wrapping again with other options raises).
-        args: as ``transformers.Trainer``; default ``TrainingArguments(output_dir="tmp_trainer")``.
-        *more: the other arguments of ``transformers.Trainer`` given by position, in its order
-            (``data_collator``, ``train_dataset``, ``eval_dataset``, ``processing_class``, ...).
-        wrap_options: keyword arguments for :func:`bmtwrap.wrap` (``checkpoint``,
-            ``zero_level``, ``offload_params``, ``layers``, ...); default: wrap's defaults.
-        offload: ``True``: build :class:`bmtwrap.optim.AdamOffloadOptimizer` (fp32 master and moments in
-            CPU memory); ``False``: :class:`bmtwrap.optim.AdamOptimizer`; ``"auto"`` (default):
-            :func:`bmtwrap.optim.auto_adam` decides from ``wrap_options``' memory options.
-        **kwargs: the other arguments of ``transformers.Trainer`` by name (``train_dataset``,
-            ``eval_dataset``, ``processing_class``, ``compute_metrics``, ``callbacks``,
-            ``optimizers``, ``optimizer_cls_and_kwargs``, ...).
+    :class:`Trainer` is this mixin on ``transformers.Trainer`` itself; :class:`~bmtwrap.hf_trl.SFTTrainer`
+    and :class:`~bmtwrap.hf_trl.DPOTrainer` put it under TRL's trainers. Another subclass of
+    ``transformers.Trainer`` (a TRL trainer, or one of your own) gets it by listing the mixin last,
+    so that it sits right above ``transformers.Trainer`` and shards the model that the subclass
+    prepared (peft adapters added, loaded from a name)::
+
+        class KTOTrainer(trl.KTOTrainer, ShardedTrainerMixin):
+            pass
+
+    :func:`bmtwrap.hf_trl.sharded` makes such a class that also takes ``wrap_options=`` and ``offload=``
+    (``bmtwrap.hf.sharded(trl.KTOTrainer)``).
+
+    The class docstring of :class:`Trainer` says what changes and what is refused.
 
     Raises:
-        NotImplementedError: a setting bmtwrap cannot train with, named with what to use instead:
-            ``deepspeed``, ``fsdp``/``fsdp_config`` (or an ``accelerate launch`` config with either),
-            ``fp16`` (use ``bf16``), ``fp16_full_eval``/``bf16_full_eval``, ``torch_compile``,
-            ``auto_find_batch_size``, ``use_liger_kernel``, ``even_batches=False``,
-            ``parallelism_config``, ``model_init``, more than one GPU per process (DataParallel),
-            models loaded with a multi-device ``device_map``, quantized or already distributed by
-            transformers.
-        ValueError: ``args.optim`` outside the AdamW family without ``optimizers=`` or
-            ``optimizer_cls_and_kwargs=``; ``offload=True`` with ``optimizers=`` or
-            ``optimizer_cls_and_kwargs=``; ``gradient_checkpointing=True`` with
-            ``wrap_options={"checkpoint": False}``; TrainingArguments seeing another number of
-            processes than the process group (on a machine without GPUs, ``use_cpu=True`` is
-            needed under torchrun), or another device type than bmtwrap's; no ``model``.
-        TypeError: ``wrap_options`` is not a dict, or holds an argument ``wrap`` does not take.
-
-    Example::
-
-        from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
-        from bmtwrap.hf import Trainer  # the one changed line
-
-        model = AutoModelForCausalLM.from_pretrained(path)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        args = TrainingArguments("out", per_device_train_batch_size=4, bf16=True, save_steps=500)
-        trainer = Trainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
-        trainer.train()                 # torchrun --nproc_per_node=8 finetune.py
-        trainer.save_model("out/final")  # AutoModelForCausalLM.from_pretrained("out/final") loads it
+        TypeError: the mixin is listed before another subclass of ``transformers.Trainer``.
     """
+
+    _public_name = "bmtwrap.hf.ShardedTrainerMixin"  # names the trainer in error messages
 
     def __init__(self, model: Optional[nn.Module] = None, args: Optional[TrainingArguments] = None, *more: Any,
                  wrap_options: Optional[Dict[str, Any]] = None, offload: Union[bool, str] = "auto",
                  **kwargs: Any) -> None:
+        _check_place_in_mro(type(self))
+        # A TRL trainer passes on to here only transformers.Trainer's arguments: its own __init__ (see
+        # bmtwrap.hf_trl) keeps the sharding options aside until then.
+        wrap_options, offload = self.__dict__.pop("_sharding_options", (wrap_options, offload))
+        who = self._public_name
         given = _TRAINER_SIGNATURE.bind(self, model, args, *more, **kwargs).arguments
         del given["self"]
         args = args if args is not None else TrainingArguments(output_dir="tmp_trainer")
-        _refuse_unsupported_args(args)
-        model = _refuse_unsupported_model(model, given.get("model_init"))
+        refuse_unsupported_args(args, who)
+        model = refuse_unsupported_model(model, given.get("model_init"), who)
         self._check_optimizer_choice(args, given, offload)
         options = _wrap_options(args, wrap_options)
         _join(args)
         self._offload = offload
+        # A reference model (TRL's DPO) is sharded as the model is, never checkpointed: it runs without gradients.
+        self._reference_wrap_options = {**options, "checkpoint": False}
         # True while Trainer writes a checkpoint-N folder (see _save_checkpoint).
         self._writing_checkpoint = False
         super().__init__(**{**given, "model": wrap(model, **options), "args": args})
@@ -429,7 +302,8 @@ class Trainer(transformers.Trainer):
             raise NotImplementedError("accelerate is configured for DeepSpeed or FSDP (an accelerate launch config?); "
                                       "bmtwrap shards the model itself: launch with torchrun, or with an accelerate "
                                       "config of plain multi-GPU/CPU")
-        self.accelerator = _ShardedAccelerator(**self._accelerator_kwargs)
+        self.accelerator = _ShardedAccelerator(reference_wrap_options=self._reference_wrap_options,
+                                               trainer_name=self._public_name, **self._accelerator_kwargs)
         self.gather_function = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(self.gather_function).parameters:
             self.gather_function = functools.partial(self.gather_function,
@@ -574,3 +448,107 @@ class Trainer(transformers.Trainer):
     def _load_best_model(self) -> None:
         # The weights of the best checkpoint-N folder are in its sharded checkpoint.
         load_checkpoint(Path(self.state.best_model_checkpoint) / SHARDED_FOLDER, self.model)
+
+
+class Trainer(ShardedTrainerMixin):
+    """Hugging Face's ``transformers.Trainer``, training a model sharded by bmtwrap (ZeRO-3).
+
+    Takes every argument ``transformers.Trainer`` takes and behaves the same; see
+    [Note: where Trainer is changed] in this module for what differs underneath. Launch with
+    ``torchrun --nproc_per_node=N script.py`` (on a machine without GPUs, with ``use_cpu=True`` in
+    TrainingArguments); ``python script.py`` trains in one process.
+
+    - The model is sharded by :func:`bmtwrap.wrap` when the Trainer is built (joining the process
+      group first, with :func:`bmtwrap.init_distributed` if it was not called); Trainer and
+      accelerate use the same default process group, and accelerate still gives each rank its own
+      share of every global batch. The model is never wrapped in DDP, DataParallel or FSDP.
+    - The optimizer is :func:`bmtwrap.optim.auto_adam`'s choice (:class:`bmtwrap.optim.AdamOptimizer`;
+      :class:`bmtwrap.optim.AdamOffloadOptimizer` with ``offload_fraction="auto"`` when
+      ``wrap_options`` set ``max_gpu_memory`` or the parameters were offloaded; with ``offload=True``,
+      :class:`bmtwrap.optim.AdamOffloadOptimizer`, all state on the host) with ``learning_rate``, ``adam_beta1``,
+      ``adam_beta2``, ``adam_epsilon`` and ``weight_decay`` from TrainingArguments and Trainer's
+      decay/no-decay parameter split; ``args.optim`` must name full-precision AdamW
+      (:data:`ADAMW_FAMILY`, Trainer's default among them), unless ``optimizers=`` or
+      ``optimizer_cls_and_kwargs=`` choose the optimizer.
+    - ``max_grad_norm`` clips by the norm of the whole gradient, over all shards.
+    - ``args.gradient_checkpointing=True`` (``activation_checkpointing`` in newer transformers)
+      means ``wrap(checkpoint=True)``: bmtwrap recomputes each block in backward (without the
+      flag, ``wrap``'s default ``checkpoint="auto"`` keeps what fits). The flag is switched off on
+      ``args``, so Hugging Face's own checkpointing is not added on top; its kwargs
+      (``use_reentrant``, ...) are not used.
+    - A ``checkpoint-N`` folder holds, beside Trainer's ``trainer_state.json`` and RNG files, a
+      sharded checkpoint in ``checkpoint-N/bmtwrap/`` (:func:`bmtwrap.save_checkpoint`: model,
+      optimizer and scheduler, every rank writing its own pieces) instead of the full weights;
+      ``train(resume_from_checkpoint=...)`` reads it back (at this or another world size); at the
+      same world size, training continues exactly as the uninterrupted run would have.
+      ``save_total_limit`` and ``load_best_model_at_end`` work on these folders. A checkpoint
+      saved with ``save_only_model=True`` holds no optimizer state and cannot be resumed (as with
+      plain Trainer).
+    - ``save_model(dir)`` (call it on every rank) writes a folder that plain transformers loads
+      (:func:`bmtwrap.save_pretrained`); for a peft model, the adapters in peft's format, gathered
+      to full size, for ``PeftModel.from_pretrained``; for another ``nn.Module``,
+      ``model.safetensors`` with the unwrapped model's keys. The tokenizer (processing class) and
+      ``training_args.bin`` are written beside, as Trainer does.
+    - ``evaluate()`` and ``predict()`` run on every rank (the forward is a collective) and gather
+      as Trainer does; ``trainer.model.generate()`` works when called on every rank.
+    - ``ddp_timeout`` is the process group's timeout where this Trainer (or accelerate, from the
+      same arguments) makes the group; a group made before keeps its own, with a warning when
+      ``ddp_timeout`` was set to another.
+
+    Args:
+        model: the model to train: a transformers ``PreTrainedModel``, a peft model built on one,
+            or any ``nn.Module`` that returns a loss; on the CPU (or this rank's GPU), every rank
+            holding the same weights. It is sharded in place; an already wrapped model is used as
+            it is (wrapping again with other options raises).
+        args: as ``transformers.Trainer``; default ``TrainingArguments(output_dir="tmp_trainer")``.
+        *more: the other arguments of ``transformers.Trainer`` given by position, in its order
+            (``data_collator``, ``train_dataset``, ``eval_dataset``, ``processing_class``, ...).
+        wrap_options: keyword arguments for :func:`bmtwrap.wrap` (``checkpoint``,
+            ``zero_level``, ``offload_params``, ``layers``, ...); default: wrap's defaults.
+        offload: ``True``: build :class:`bmtwrap.optim.AdamOffloadOptimizer` (fp32 master and moments in
+            CPU memory); ``False``: :class:`bmtwrap.optim.AdamOptimizer`; ``"auto"`` (default):
+            :func:`bmtwrap.optim.auto_adam` decides from ``wrap_options``' memory options.
+        **kwargs: the other arguments of ``transformers.Trainer`` by name (``train_dataset``,
+            ``eval_dataset``, ``processing_class``, ``compute_metrics``, ``callbacks``,
+            ``optimizers``, ``optimizer_cls_and_kwargs``, ...).
+
+    Raises:
+        NotImplementedError: a setting bmtwrap cannot train with, named with what to use instead:
+            ``deepspeed``, ``fsdp``/``fsdp_config`` (or an ``accelerate launch`` config with either),
+            ``fp16`` (use ``bf16``), ``fp16_full_eval``/``bf16_full_eval``, ``torch_compile``,
+            ``auto_find_batch_size``, ``use_liger_kernel``, ``even_batches=False``,
+            ``parallelism_config``, ``model_init``, more than one GPU per process (DataParallel),
+            models loaded with a multi-device ``device_map``, quantized or already distributed by
+            transformers.
+        ValueError: ``args.optim`` outside the AdamW family without ``optimizers=`` or
+            ``optimizer_cls_and_kwargs=``; ``offload=True`` with ``optimizers=`` or
+            ``optimizer_cls_and_kwargs=``; ``gradient_checkpointing=True`` with
+            ``wrap_options={"checkpoint": False}``; TrainingArguments seeing another number of
+            processes than the process group (on a machine without GPUs, ``use_cpu=True`` is
+            needed under torchrun), or another device type than bmtwrap's; no ``model``.
+        TypeError: ``wrap_options`` is not a dict, or holds an argument ``wrap`` does not take.
+
+    Example::
+
+        from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
+        from bmtwrap.hf import Trainer  # the one changed line
+
+        model = AutoModelForCausalLM.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        args = TrainingArguments("out", per_device_train_batch_size=4, bf16=True, save_steps=500)
+        trainer = Trainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+        trainer.train()                 # torchrun --nproc_per_node=8 finetune.py
+        trainer.save_model("out/final")  # AutoModelForCausalLM.from_pretrained("out/final") loads it
+    """
+
+    _public_name = "bmtwrap.hf.Trainer"
+
+
+def __getattr__(name: str) -> Any:
+    # TRL's trainers on a sharded model come from bmtwrap.hf_trl, imported on first use: `import bmtwrap.hf`
+    # does not need trl.
+    if name in ("SFTTrainer", "DPOTrainer", "sharded"):
+        from . import hf_trl
+
+        return getattr(hf_trl, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -53,6 +53,11 @@ try:  # what the Hugging Face tests load; the other scripts run without them
     from transformers.models.llama import modeling_llama  # noqa: F401
 except ImportError:
     pass
+try:  # tests/dist_cases/trl_trainers.py
+    import trl  # noqa: F401
+    from trl import DPOTrainer, SFTTrainer  # noqa: F401
+except ImportError:
+    pass
 
 FAILED_RANK_GRACE_S = 5.0  # how long the other ranks may go on after one failed, before they are killed
 POLL_S = 0.02

@@ -135,6 +135,23 @@ def run_job(script: str, world_size: int, out: Path, args: tuple, timeout: int, 
     return proc.returncode, proc.stdout + proc.stderr
 
 
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                      "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+def run_reference(script: str, work: Path, timeout: int = 600) -> Dict[str, Any]:
+    """``python tests/dist_cases/<script> OUT WORK --reference``: the plain library a case script compares
+    against, in one process of its own (started afresh, without bmtwrap imported) with no torchrun variables;
+    the JSON object it wrote to OUT."""
+    out = Path(work) / "reference.json"
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(TESTS / "dist_cases" / script), str(out), str(work), "--reference"],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0 and out.exists(), f"the reference run failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
+    return json.loads(out.read_text())
+
+
 def run_python(code: str, *args: str, env: Optional[Dict[str, str]] = None, cwd: Path = ROOT,
                timeout: int = 300) -> Tuple[int, str]:
     """``python -c code args...`` in ``cwd``, a process of its own outside any job (forked from the fork server

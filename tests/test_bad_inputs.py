@@ -242,6 +242,11 @@ ROWS = [
     # bmtwrap.hf.Trainer
     Row("trainer-fsdp", NotImplementedError, r"does not support fsdp='full_shard': .* remove fsdp= and fsdp_config=",
         covered_by="tests/test_trainer.py::test_fsdp_refusal_names_the_value_given"),
+    # bmtwrap.hf.SFTTrainer, DPOTrainer and ShardedTrainerMixin
+    Row("trl-activation-offloading", NotImplementedError, r"does not support activation_offloading=True: .* leave "
+        r"gradient_checkpointing=True", covered_by="tests/test_trl.py::test_activation_offloading_is_refused"),
+    Row("trl-mixin-first", TypeError, r"lists ShardedTrainerMixin before \w+: .* goes last",
+        covered_by="tests/test_trl.py::test_mixin_listed_first_is_refused"),
     # examples/finetune_hf.py: one message, exit status 2 (1: a run that did not learn)
     Row("finetune-bad-number", SystemExit, r"--steps must be >= 1, got -5",
         covered_by="tests/test_finetune_example.py::test_bad_arguments_are_named"),

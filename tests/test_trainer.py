@@ -31,8 +31,6 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 import warnings
 from typing import Any, Dict, List, Tuple
 
@@ -45,30 +43,16 @@ pytest.importorskip("peft")
 import transformers as T  # noqa: E402
 
 from adamw_replay import U, AdamWGroup, deviation_bound, gamma, replay  # noqa: E402
-from launch import ROOT, TESTS, run_cases, run_python  # noqa: E402
+from launch import TORCHRUN_VARIABLES, run_cases, run_python, run_reference  # noqa: E402
 
 SCENARIOS = ["accumulate_and_clip", "no_clipping", "offload", "lora"]
-TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                      "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-
-
-def _run_reference(work) -> dict:
-    """Plain transformers.Trainer in one process of its own, with no torchrun variables."""
-    out = work / "reference.json"
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")]))
-    script = TESTS / "dist_cases" / "trainer.py"
-    proc = subprocess.run([sys.executable, str(script), str(out), str(work), "--reference"], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and out.exists(), f"the reference run failed:\n{(proc.stdout + proc.stderr)[-6000:]}"
-    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("trainer")
     ours = run_cases("trainer.py", 2, str(work))  # first: the reference loads the folders it saves
-    return work, ours, _run_reference(work)
+    return work, ours, run_reference("trainer.py", work)
 
 
 def _case(runs, name):

@@ -348,6 +348,7 @@ class RootRunner:
     def __init__(self, eng: Engine, group: ParamGroup, replicated: List[nn.Parameter]) -> None:
         self._engine = eng
         self.group = group
+        self._awaiting_backward = False  # a forward with autograd ran; its backward has not ended
         group.on_reduce = self._reduced
         if eng.ctx.world_size > 1:
             for param in replicated:
@@ -385,6 +386,7 @@ class RootRunner:
         if torch.is_grad_enabled():
             # Even a frozen root stays gathered until backward ends: backward reads its weights to
             # pass gradients down (a frozen LM head above trainable adapters).
+            self._awaiting_backward = True
             eng.forward_with_grad(self)
         return True
 
@@ -396,7 +398,10 @@ class RootRunner:
         with eng.engine_work():
             eng.leave_root(self)
             self.group.swap_out()
-            if not torch.is_grad_enabled():
+            # A forward without autograd frees the gathered root, unless a forward with autograd before it
+            # awaits its backward, which reads the full weights (DPO's reference pass: the same peft model with its
+            # adapters disabled, between the policy's forward and its backward).
+            if not torch.is_grad_enabled() and not self._awaiting_backward:
                 self.group.release()
 
     def _reduced(self, group: ParamGroup, pending: List[PendingReduction]) -> None:
@@ -418,4 +423,5 @@ class RootRunner:
         self.group.swap_out()
 
     def backward_done(self) -> None:
+        self._awaiting_backward = False
         self.group.release()

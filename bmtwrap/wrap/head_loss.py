@@ -24,7 +24,8 @@ Only models known to feed the projection's output straight into ``ForCausalLMLos
 path (``FUSED_MODEL_TYPES``, and a forward defined by transformers itself, not a subclass's);
 others, calls in evaluation mode or without gradients (``generate``), ``wrap(keep_logits=True)``,
 labels passed positionally, ``logits_to_keep`` or ``return_dict=False`` get transformers' own loss
-and logits.
+and logits; a call with ``fused_lm_head=True`` (TRL's trainers, which compute the log-probabilities
+from the hidden states themselves) keeps its labels.
 """
 
 from __future__ import annotations
@@ -83,7 +84,9 @@ class _HeadLoss:
         return args, kwargs
 
     def _applies(self, labels: Any, kwargs: Dict[str, Any]) -> bool:
-        return (isinstance(labels, torch.Tensor) and torch.is_grad_enabled()
+        # fused_lm_head=True: TRL's forward (trl.trainer.utils.add_fused_lm_head) computes the log-probabilities
+        # from the hidden states and lm_head.weight itself, without the logits, and needs the labels to do it.
+        return (isinstance(labels, torch.Tensor) and torch.is_grad_enabled() and not kwargs.get("fused_lm_head")
                 and not kwargs.get("logits_to_keep") and kwargs.get("return_dict") is not False)
 
     def after(self, module: nn.Module, args: Any, kwargs: Dict[str, Any], output: Any) -> Any:
