@@ -61,7 +61,7 @@ from finetune_hf_cli import (DID_NOT_LEARN, LEARNED, MISTAKE, PROG, REPORT_ENV, 
                              check_inputs, leave, lora_targets, parse_args, planned_world_size, resumed_batch,
                              run_identity, run_under_torchrun)
 # The tokenizer and the batches: a text file's windows, or records' examples.
-from finetune_hf_data import Batch, load_data, prompt_ids
+from finetune_hf_data import Batch, load_data, pack_or_pad, prompt_ids
 
 
 def main(argv: Optional[List[str]] = None) -> NoReturn:
@@ -251,6 +251,7 @@ class Summary:
     grad_norm_max: Optional[float] = None  # the largest finite global gradient norm of those steps; None: none was
     tokens_s_median: Optional[float] = None
     padding_share: Optional[float] = None  # of the tokens of the training batches: records' padding (text: 0)
+    padding_share_unpacked: Optional[float] = None  # packed records: one example a row's (Packer.padding_share())
     peak_mem_gib: Optional[float] = None
     ppl_after: Optional[float] = None  # None: stopped before --steps (--stop-at), and so are the ones below
     sample: Optional[str] = None
@@ -346,6 +347,7 @@ def prepare(args: argparse.Namespace, ctx: Any) -> Run:
     bmt.print_rank(f"finetune_hf: {ctx.world_size} process(es) on {device.type}, {dtype}, out={args.out}")
     tokenizer, data = load_data(args, ctx.world_size)
     model = build_model(args, tokenizer, dtype)
+    pack_or_pad(args, data, model)  # records: packed into full rows where the model keeps examples apart
     model.train()
     optimizer = make_optimizer(args, model)
     # The cosine reaches 0 just after the last step, so every step learns (a 1-step run too).
@@ -415,6 +417,8 @@ def train(run: Run, summary: Summary, rank: int, world: int) -> None:
         record = {"step": step, "loss": loss_value, "lr": scheduler.current_lr, "grad_norm": grad_norm,
                   "tokens_s": step_tokens / (now - window), "mem_gib": memory_gib(device),
                   "padding_share": step_padding / (step_tokens + step_padding)}
+        if run.data.unpacked_padding_share() is not None:  # packed: so far, one example a row would have padded
+            record["padding_share_unpacked"] = run.data.unpacked_padding_share()
         tokens, padding = tokens + step_tokens, padding + step_padding
         window = now
         throughput.append(record["tokens_s"])
@@ -435,8 +439,14 @@ def train(run: Run, summary: Summary, rank: int, world: int) -> None:
     summary.tokens_s_median = timed[len(timed) // 2] if timed else None
     summary.peak_mem_gib = round(memory_gib(device), 2)
     summary.padding_share = round(padding / (tokens + padding), 4) if tokens else None
-    bmt.print_rank(f"throughput {summary.tokens_s_median or 0:,.0f} tokens/s (median, all processes), peak memory "
-                   f"{summary.peak_mem_gib} GiB per process ({'GPU' if device.type == 'cuda' else 'CPU RSS'})")
+    unpacked = run.data.unpacked_padding_share()
+    summary.padding_share_unpacked = round(unpacked, 4) if unpacked is not None else None
+    bmt.print_rank(f"throughput {summary.tokens_s_median or 0:,.0f} tokens/s (median, all processes, padding not "
+                   f"counted), peak memory {summary.peak_mem_gib} GiB per process "
+                   f"({'GPU' if device.type == 'cuda' else 'CPU RSS'})")
+    if summary.padding_share is not None and (summary.padding_share or unpacked is not None):
+        bmt.print_rank(f"padding: {summary.padding_share:.1%} of the batches' tokens" + (
+            f" (one example a row would have padded {unpacked:.1%})" if unpacked is not None else ""))
 
 
 def open_log(path: Path, start: int) -> TextIO:
