@@ -418,8 +418,9 @@ def train(run: Run, summary: Summary, rank: int, world: int) -> None:
         record = {"step": step, "loss": loss_value, "lr": scheduler.current_lr, "grad_norm": grad_norm,
                   "tokens_s": step_tokens / (now - window), "mem_gib": memory_gib(device),
                   "padding_share": step_padding / (step_tokens + step_padding)}
-        if run.data.unpacked_padding_share() is not None:  # packed: so far, one example a row would have padded
-            record["padding_share_unpacked"] = run.data.unpacked_padding_share()
+        unpacked = run.data.unpacked_padding_share()  # packed: so far, one example a row would have padded
+        if unpacked is not None:
+            record["padding_share_unpacked"] = unpacked
         tokens, padding = tokens + step_tokens, padding + step_padding
         window = now
         throughput.append(record["tokens_s"])
@@ -442,10 +443,9 @@ def train(run: Run, summary: Summary, rank: int, world: int) -> None:
     summary.padding_share = round(padding / (tokens + padding), 4) if tokens else None
     unpacked = run.data.unpacked_padding_share()
     summary.padding_share_unpacked = round(unpacked, 4) if unpacked is not None else None
-    bmt.print_rank(f"throughput {summary.tokens_s_median or 0:,.0f} tokens/s (median, all processes, padding not "
-                   f"counted), peak memory {summary.peak_mem_gib} GiB per process "
-                   f"({'GPU' if device.type == 'cuda' else 'CPU RSS'})")
-    if summary.padding_share is not None and (summary.padding_share or unpacked is not None):
+    bmt.print_rank(f"throughput {summary.tokens_s_median or 0:,.0f} tokens/s (median, all processes), peak memory "
+                   f"{summary.peak_mem_gib} GiB per process ({'GPU' if device.type == 'cuda' else 'CPU RSS'})")
+    if summary.padding_share or unpacked is not None:  # records: tokens/s above counts their tokens, not padding
         bmt.print_rank(f"padding: {summary.padding_share:.1%} of the batches' tokens" + (
             f" (one example a row would have padded {unpacked:.1%})" if unpacked is not None else ""))
 
