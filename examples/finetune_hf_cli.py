@@ -83,8 +83,12 @@ def parse_args(argv: Optional[List[str]] = None, description: str = "") -> argpa
     what.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE", default=None,
                       help="a Jinja chat template (a file, or the template itself) to render 'messages' with, in place "
                       "of the tokenizer's (the default tokenizer's: bmtwrap.data.SIMPLE_CHAT_TEMPLATE)")
+    what.add_argument("--pack", default="auto", choices=["auto", "on", "off"],
+                      help="records: pack several examples into each row of --seq tokens, each attending only to "
+                      "itself (auto: where bmtwrap.data.check_packing accepts the model, else pad; off: one example "
+                      "a row, padded as --pad-to says)")
     what.add_argument("--pad-to", default="longest", choices=["longest", "seq"],
-                      help="pad each batch of records to its longest example, or to --seq")
+                      help="unpacked records: pad each batch to its longest example, or to --seq")
     what.add_argument("--holdout", type=float, default=0.1,
                       help="share of the text (or of the records) kept for perplexity, in (0, 1)")
     what.add_argument("--vocab", type=int, default=2048, help="BPE vocabulary trained without --model")
@@ -188,6 +192,8 @@ def check_inputs(args: argparse.Namespace) -> None:
     """Raise UsageError for the first mistake in --data, --model, --lora-targets or --out."""
     shape = check_data(args)
     config = check_model(args)
+    if shape is not None and args.pack == "on":
+        check_packing_on(args, config)
     if shape is Shape.MESSAGES:
         check_chat_template(args)
     if args.lora and lora_targets(args) != "all-linear":
@@ -333,15 +339,19 @@ def lora_targets(args: argparse.Namespace) -> Union[str, List[str]]:
     return [name.strip() for name in args.lora_targets.split(",") if name.strip()]
 
 
-def check_lora_targets(args: argparse.Namespace, config: Any) -> None:
-    """Every name in --lora-targets ends the name of a layer LoRA adapts, as peft matches them."""
+def meta_model(args: argparse.Namespace, config: Any) -> torch.nn.Module:
+    """The model of --model's config (None: the default's), on the meta device: its names and config, no memory."""
     import transformers
 
-    with torch.device("meta"):  # names only: nothing is allocated
+    with torch.device("meta"):
         if config is not None:
-            model = transformers.AutoModelForCausalLM.from_config(config)
-        else:
-            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPES[args.shape]))  # the default
+            return transformers.AutoModelForCausalLM.from_config(config)
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPES[args.shape]))
+
+
+def check_lora_targets(args: argparse.Namespace, config: Any) -> None:
+    """Every name in --lora-targets ends the name of a layer LoRA adapts, as peft matches them."""
+    model = meta_model(args, config)
     layers = [name for name, module in model.named_modules() if type(module).__name__ in LORA_LAYERS]
     missing = [t for t in lora_targets(args) if not any(n == t or n.endswith("." + t) for n in layers)]
     if missing:
@@ -374,6 +384,21 @@ def check_out(args: argparse.Namespace) -> None:
                              f"({error.strerror or error}); give an --out in a folder you can write") from None
 
 
+def check_packing_on(args: argparse.Namespace, config: Any) -> None:
+    """--pack on: the model is of a family known to keep packed examples apart (the workers check the loaded one)."""
+    from bmtwrap.data import check_packing
+
+    try:
+        check_packing(meta_model(args, config))
+    except NotImplementedError as refusal:
+        raise pack_refused(refusal) from None
+
+
+def pack_refused(refusal: NotImplementedError) -> UsageError:
+    return UsageError(f"--pack on: {refusal}; give --pack off (or --pack auto, which packs only where the model "
+                      "allows)")
+
+
 # -----------------------------------------------------------------------------
 # resuming: the same run, on this or another number of processes
 
@@ -394,7 +419,7 @@ def run_identity(args: argparse.Namespace) -> Dict[str, str]:
     """The settings a resumed run must share with the saved one for its losses to continue it."""
     keys = ["shape", "holdout", "vocab", "steps", "seq", "grad_accum", "lr", "warmup", "weight_decay",
             "max_grad_norm", "dtype", "seed", "optimizer", "lora", "lora_rank", "lora_targets", "fields", "train_on",
-            "chat_template", "pad_to"]
+            "chat_template", "pad_to", "pack"]
     identity = {k: str(getattr(args, k)) for k in keys}
     return identity | {"model": str(args.model and args.model.resolve()), "data": str(args.data.resolve())}
 

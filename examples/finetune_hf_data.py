@@ -3,23 +3,28 @@
 Two kinds of --data. A text file is one token stream cut into --seq windows, every token learnt (as
 the embedded default has always trained). Records (JSON Lines, JSON, Parquet, CSV, a folder of them,
 or a folder saved by ``datasets``) are read, rendered and tokenized by ``bmtwrap.data``: each record
-is one example, its loss on the completion or the assistant's turns (--train-on), cut to --seq, and
-batches are padded to their longest example (--pad-to). Every rank computes the same data, so a
-mistake found here is raised on all of them as one UsageError.
+is one example, its loss on the completion or the assistant's turns (--train-on), cut to --seq; batches
+pack several examples into each row of --seq tokens (``bmtwrap.data.Packer``, --pack) or hold one example
+a row, padded to the batch's longest (--pad-to). Every rank computes the same data, so a mistake found
+here is raised on all of them as one UsageError.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import bmtwrap as bmt
-from finetune_hf_cli import UsageError, read_chat_template, read_records_or_refuse
+from finetune_hf_cli import UsageError, pack_refused, read_chat_template, read_records_or_refuse
 
 EOS = "<|endoftext|>"
 T = TypeVar("T")
@@ -34,10 +39,13 @@ class Batch(NamedTuple):
     tokens: int = 0  # the whole batch's tokens, padding excluded
     padding: int = 0  # the whole batch's padding tokens
     targets: int = 0  # the whole batch's predicted tokens (see predicted())
+    position_ids: Optional[torch.Tensor] = None  # (B, T), packed rows: restarting at every example
 
-    def inputs(self, device: torch.device) -> Dict[str, torch.Tensor]:
-        """The model's keyword arguments, on ``device``."""
+    def inputs(self, device: torch.device) -> Dict[str, Any]:
+        """The model's keyword arguments, on ``device``; packed rows also get ``use_cache=False``."""
         names = ["input_ids", "labels"] + (["attention_mask"] if self.attention_mask is not None else [])
+        if self.position_ids is not None:  # see bmtwrap.data.PackedBatch.model_inputs: no mask, no cache
+            return {name: getattr(self, name).to(device) for name in names + ["position_ids"]} | {"use_cache": False}
         return {name: getattr(self, name).to(device) for name in names}
 
     def predicted(self) -> int:
@@ -114,6 +122,9 @@ class Windows:
     def describe(self) -> str:
         return f"{self.train.numel():,} training tokens, {self.held_out.numel():,} held out"
 
+    def unpacked_padding_share(self) -> Optional[float]:
+        return None  # windows are full: nothing is packed
+
     chat = False  # the sample continues --prompt
 
 
@@ -141,12 +152,16 @@ def text_windows(args: argparse.Namespace, tokenizer: Any, text: str, world: int
 
 
 # -----------------------------------------------------------------------------
-# records: one example each, padded batches
+# records: one example each, in packed rows or padded batches
 
 
 @dataclass
 class Examples:
-    """Tokenized examples (``{"input_ids", "labels"}``): training ones in a seeded order, held-out ones fixed."""
+    """Tokenized examples (``{"input_ids", "labels"}``): training ones in a seeded order, held-out ones fixed.
+
+    Training batches are packed rows once ``packing`` is set (pack_or_pad), else one example a row,
+    padded; held-out batches are always padded, so perplexity means the same either way.
+    """
 
     train: Any  # datasets.Dataset
     held_out: Any
@@ -155,13 +170,20 @@ class Examples:
     pad_to: Optional[int]  # None: each batch's longest example
     chat: bool  # conversations: the sample is the reply to --prompt as a user's message
     lengths: List[int] = field(default_factory=list)  # of the training examples
+    packing: Optional[Packing] = None
     _order: Tuple[int, Optional[torch.Tensor]] = (-1, None)
 
     def __post_init__(self) -> None:
         self.lengths = [len(ids) for ids in self.train["input_ids"]]
 
     def batch(self, index: int, size: int, rank: int, world: int) -> Batch:
-        """This rank's share of examples ``[index * size, (index + 1) * size)``, padded; the padding of all shares."""
+        """This rank's share of batch ``index`` (``size`` rows); tokens, padding and targets of all shares.
+
+        Padded: examples ``[index * size, (index + 1) * size)`` of the stream. Packed: the stream's
+        ``index``-th batch of ``size`` packed rows.
+        """
+        if self.packing is not None:
+            return self.packing.batch(self, index, size, rank, world)
         from bmtwrap.data import pad_examples
 
         share = size // world
@@ -185,8 +207,87 @@ class Examples:
         padded = pad_examples(self.held_out.select(range(start, stop)), self.pad_id, length=self.pad_to)
         return Batch(padded.input_ids, padded.labels, padded.attention_mask)
 
+    def stream(self) -> Iterator[Dict[str, Any]]:
+        """The training examples, endlessly: the seeded epochs the padded batches read, one after another."""
+        for i in itertools.count():
+            yield self.train[_epoch_order(self, len(self.train), i)]
+
+    def unpacked_padding_share(self) -> Optional[float]:
+        """Packed: the padding one example a row would have taken (Packer.padding_share().unpacked); else None."""
+        return None if self.packing is None else self.packing.unpacked_padding_share()
+
     def describe(self) -> str:
-        return f"{len(self.train):,} training examples ({sum(self.lengths):,} tokens), {len(self.held_out):,} held out"
+        how = f", packed into rows of {self.packing.seq} tokens" if self.packing else ", one a row, padded"
+        return (f"{len(self.train):,} training examples ({sum(self.lengths):,} tokens){how}, "
+                f"{len(self.held_out):,} held out")
+
+
+@dataclass
+class Packing:
+    """The training examples' endless stream packed by ``bmtwrap.data.Packer`` into batches of full --seq rows.
+
+    Batch ``i`` is the same whatever the number of processes (each takes its own rows of it) and
+    however the run got there: the packer reads the stream from its start, so a run resumed at step
+    ``s`` packs (and skips) the batches before it again, and goes on with the very batches an
+    uninterrupted run trains on.
+    """
+
+    model: nn.Module  # PackedBatch.model_inputs checks it, and joins the rows for flash attention
+    seq: int
+    seed: int
+    pad_id: int
+    _packer: Any = None  # bmtwrap.data.Packer, made for the first batch's size
+    _batches: Optional[Iterator[Any]] = None  # its batches (PackedBatch)
+    _next: int = 0  # the index of the batch _batches yields next
+
+    def batch(self, examples: Examples, index: int, size: int, rank: int, world: int) -> Batch:
+        """This rank's rows of the ``index``-th packed batch of ``size`` rows."""
+        if self._packer is None or index < self._next or size != self._packer.rows:
+            self._start(examples, size)
+        for _ in range(index - self._next):
+            next(self._batches)
+        packed = next(self._batches)
+        self._next = index + 1
+        rows = slice(rank * (size // world), (rank + 1) * (size // world))
+        # documents and tokens stay the whole batch's: only the tensors are read below.
+        mine = dataclasses.replace(packed, input_ids=packed.input_ids[rows], labels=packed.labels[rows],
+                                   position_ids=packed.position_ids[rows]).model_inputs(self.model)
+        return Batch(mine["input_ids"], mine["labels"], None, tokens=packed.tokens,
+                     padding=packed.input_ids.numel() - packed.tokens,
+                     targets=int((packed.labels[:, 1:] != -100).sum()), position_ids=mine["position_ids"])
+
+    def _start(self, examples: Examples, size: int) -> None:
+        from bmtwrap.data import Packer
+
+        # A buffer of an epoch (at most 1024 examples), and at least enough for 4 batches: every buffer
+        # then gives full batches (the emptiest rows wait for the next buffer).
+        mean = sum(examples.lengths) / len(examples.lengths)
+        buffer = max(min(1024, len(examples.lengths)), math.ceil(4 * size * self.seq / mean))
+        self._packer = Packer(seq=self.seq, rows=size, seed=self.seed, buffer_size=buffer, pad_token_id=self.pad_id)
+        self._batches, self._next = self._packer.batches(examples.stream()), 0
+
+    def unpacked_padding_share(self) -> Optional[float]:
+        return self._packer.padding_share().unpacked if self._packer is not None else None
+
+
+def pack_or_pad(args: argparse.Namespace, data: Any, model: nn.Module) -> None:
+    """--pack: records' training examples packed where check_packing accepts the model (auto, on), else padded.
+
+    Raises:
+        UsageError: --pack on, and the model is not known to keep packed examples apart.
+    """
+    from bmtwrap.data import check_packing
+
+    if not isinstance(data, Examples) or args.pack == "off":
+        return
+    try:
+        check_packing(model)
+    except NotImplementedError as refusal:
+        if args.pack == "on":
+            raise pack_refused(refusal) from None
+        bmt.print_rank(f"finetune_hf: --pack auto: one example a row, padded, not packed: {refusal}")
+        return
+    data.packing = Packing(model, args.seq, args.seed, data.pad_id)
 
 
 def record_examples(args: argparse.Namespace, tokenizer: Any, records: Any, world: int) -> Examples:

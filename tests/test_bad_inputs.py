@@ -274,6 +274,8 @@ ROWS = [
         covered_by="tests/test_finetune_example.py::test_bad_records_are_named_before_training"),
     Row("finetune-no-chat-template", SystemExit, r"has no chat template to render them with; give one with --chat",
         covered_by="tests/test_finetune_example.py::test_bad_records_are_named_before_training"),
+    Row("finetune-pack-refused", SystemExit, r"--pack on: packing is not supported for model type 'gemma2'",
+        covered_by="tests/test_finetune_example.py::test_pack_off_pads_and_a_family_packing_cannot_keep_apart"),
     Row("finetune-chat-role-refused", SystemExit, r"the chat template refuses it: .* not 'tool'",
         covered_by="tests/test_finetune_example.py::test_bad_records_the_workers_find"),
     Row("finetune-data-all-cut", SystemExit, r"every example is cut: .* give a longer --seq",

@@ -409,14 +409,35 @@ def test_finetune_sh_keeps_the_users_directory(tmp_path: Path) -> None:
 CHAT = ROOT / "examples" / "data" / "chat.jsonl"
 
 
-def test_the_bundled_conversations_train_end_to_end(tmp_path: Path) -> None:
-    # The default model and tokenizer (its built-in chat template), 2 processes, loss on the assistant's turns.
-    run_example(*QUICK, "--steps", "8", "--data", str(CHAT), "--out", str(tmp_path), "--prompt", "Hello!")
-    s = summary(tmp_path)
+CHAT_RUN = [*QUICK, "--steps", "8", "--data", str(CHAT), "--prompt", "Hello!"]
+
+
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model and tokenizer (its built-in chat template) on the bundled conversations, packed (--pack auto)."""
+    out = tmp_path_factory.mktemp("chat")
+    proc = run_example(*CHAT_RUN, "--out", str(out))
+    assert "packed into rows of 64 tokens" in proc.stdout
+    return out
+
+
+def test_the_bundled_conversations_train_end_to_end(chat_run: Path) -> None:
+    s = summary(chat_run)
     assert s["failures"] == [] and s["ppl_after"] < 0.5 * s["ppl_before"], s
-    assert 0 < s["padding_share"] < 1 and all(0 <= r["padding_share"] < 1 for r in log_lines(tmp_path))
     assert s["sample"].startswith("<|user|>\nHello!<|assistant|>\n") and s["reloaded_sample"] == s["sample"]
     assert s["reloaded_check_loss"] == pytest.approx(s["check_loss"], rel=1e-5)
+    # Packed rows pad far less than one example a row would (the packer's own figure).
+    assert 0 < s["padding_share"] < s["padding_share_unpacked"] < 1, s
+    for line in log_lines(chat_run):
+        assert 0 <= line["padding_share"] < line["padding_share_unpacked"] < 1 and line["tokens_s"] > 0, line
+
+
+def test_packed_resume_continues_with_the_same_losses(chat_run: Path, tmp_path: Path) -> None:
+    run_example(*CHAT_RUN, "--out", str(tmp_path), "--stop-at", "4")
+    assert losses(tmp_path) == {step: loss for step, loss in losses(chat_run).items() if step <= 4}
+    run_example(*CHAT_RUN, "--out", str(tmp_path), "--resume")
+    assert losses(tmp_path) == losses(chat_run), "the resumed run trained on other packed batches"
+    assert summary(tmp_path)["start_step"] == 4 and summary(tmp_path)["ppl_after"] == summary(chat_run)["ppl_after"]
 
 
 @pytest.fixture(scope="module")
@@ -473,12 +494,9 @@ def test_bad_records_are_named_before_training(example: ModuleType, capsys: pyte
 
 def test_bad_records_the_workers_find(example: ModuleType, records: Path) -> None:
     """The mistakes found once the data is tokenized (in every process), checked here in one."""
-    import transformers
-
-    from bmtwrap.data import SIMPLE_CHAT_TEMPLATE, read_records
+    from bmtwrap.data import read_records
     data = sys.modules["finetune_hf_data"]
-    tokenizer = transformers.AutoTokenizer.from_pretrained(records / "plain")
-    tokenizer.chat_template = SIMPLE_CHAT_TEMPLATE
+    tokenizer = chat_tokenizer(records)
     tool = records / "tool.jsonl"
     tool.write_text(CHAT.read_text() + json.dumps({"messages": [{"role": "tool", "content": "42"}]}) + "\n")
     cases = [
@@ -501,12 +519,10 @@ def test_bad_records_the_workers_find(example: ModuleType, records: Path) -> Non
 
 def test_record_batches_pad_each_share(example: ModuleType, records: Path) -> None:
     """Each process's share is padded to its longest example (or --seq); the batch counts all shares' padding."""
-    import transformers
-
-    from bmtwrap.data import SIMPLE_CHAT_TEMPLATE, pad_examples, read_records
+    from bmtwrap.data import pad_examples, read_records
     data = sys.modules["finetune_hf_data"]
-    tokenizer = transformers.AutoTokenizer.from_pretrained(records / "plain")
-    tokenizer.chat_template = SIMPLE_CHAT_TEMPLATE
+    tokenizer = chat_tokenizer(records)
+    model = tiny_llama(len(tokenizer))
     for pad_to in ["longest", "seq"]:
         args = example.parse_args(["--data", str(CHAT), "--seq", "200", "--pad-to", pad_to])
         examples = data.record_examples(args, tokenizer, read_records(args.data), world=2)
@@ -525,12 +541,91 @@ def test_record_batches_pad_each_share(example: ModuleType, records: Path) -> No
         # The step's loss: each share's mean weighed by its predicted tokens (as train() does) is the mean over
         # the whole batch's predicted tokens, computed here in one piece.
         assert shares[0].targets == sum(s.predicted() for s in shares)
-        torch.manual_seed(0)
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=1)).eval()
         with torch.no_grad():
             weighed = sum(model(**s.inputs(torch.device("cpu"))).loss * s.predicted() / s.targets for s in shares)
             whole = pad_examples(rows, examples.pad_id)
             reference = model(input_ids=whole.input_ids, labels=whole.labels, attention_mask=whole.attention_mask).loss
         assert weighed.item() == pytest.approx(reference.item(), rel=1e-5)
+
+
+def chat_tokenizer(records: Path) -> Any:
+    """The records' plain tokenizer, with bmtwrap.data's simple chat template (as the default's)."""
+    import transformers
+
+    from bmtwrap.data import SIMPLE_CHAT_TEMPLATE
+    tokenizer = transformers.AutoTokenizer.from_pretrained(records / "plain")
+    tokenizer.chat_template = SIMPLE_CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_llama(vocab_size: int) -> Any:
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, attn_implementation="sdpa")).eval()
+
+
+def packed_examples(example: ModuleType, tokenizer: Any, model: Any, *argv: str) -> Any:
+    """The chat set's examples as the workers hold them, packed or padded as --pack decides for ``model``."""
+    from bmtwrap.data import read_records
+    data = sys.modules["finetune_hf_data"]
+    args = example.parse_args(["--data", str(CHAT), "--seq", "200", *argv])
+    examples = data.record_examples(args, tokenizer, read_records(args.data), world=2)
+    data.pack_or_pad(args, examples, model)
+    return examples
+
+
+def test_packed_batches_are_shared_by_rank_replayed_on_resume_and_weigh_the_loss(example: ModuleType,
+                                                                                  records: Path) -> None:
+    tokenizer = chat_tokenizer(records)
+    model = tiny_llama(len(tokenizer))
+    run = packed_examples(example, tokenizer, model)
+    assert run.packing is not None
+    shares = [[run.batch(index, 4, rank, 2) for rank in range(2)] for index in range(6)][5]  # 2 ranks, 2 rows each
+    # A fresh stream, as a resumed run starts, straight at batch 5, on one process: the same 4 rows.
+    whole = packed_examples(example, tokenizer, model).batch(5, 4, 0, 1)
+    assert whole.input_ids.shape == (4, 200) and whole.attention_mask is None
+    for name in ["input_ids", "labels", "position_ids"]:
+        assert torch.equal(getattr(whole, name), torch.cat([getattr(s, name) for s in shares])), name
+    assert whole.tokens + whole.padding == 4 * 200 and 0 < whole.padding < whole.tokens
+    assert whole.tokens == shares[0].tokens and whole.padding == shares[1].padding
+    assert whole.targets == shares[0].targets == sum(s.predicted() for s in shares) == whole.predicted()
+    # The step's loss as train() weighs the shares: the mean over the whole packed batch's predicted tokens.
+    with torch.no_grad():
+        weighed = sum(model(**s.inputs(torch.device("cpu"))).loss * s.predicted() / s.targets for s in shares)
+        reference = model(**whole.inputs(torch.device("cpu"))).loss
+    assert weighed.item() == pytest.approx(reference.item(), rel=1e-5)
+    share = run.packing._packer.padding_share()  # of the 6 batches packed so far
+    assert run.unpacked_padding_share() == share.unpacked and 0 < share.packed < share.unpacked < 1
+
+
+def test_pack_off_pads_and_a_family_packing_cannot_keep_apart(example: ModuleType, records: Path, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    import transformers
+
+    tokenizer = chat_tokenizer(records)
+    padded = packed_examples(example, tokenizer, tiny_llama(len(tokenizer)), "--pack", "off")
+    assert padded.packing is None and padded.unpacked_padding_share() is None
+    assert padded.batch(0, 4, 0, 2).attention_mask is not None and padded.batch(0, 4, 0, 2).position_ids is None
+    config = transformers.Gemma2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                       head_dim=16)
+    with torch.device("meta"):
+        gemma2 = transformers.Gemma2ForCausalLM(config)
+    capsys.readouterr()
+    assert packed_examples(example, tokenizer, gemma2).packing is None  # auto: padded, saying why in one line
+    note = [line for line in capsys.readouterr().out.splitlines() if "--pack" in line]
+    assert len(note) == 1 and "--pack auto: one example a row, padded, not packed: packing is not supported for " \
+        "model type 'gemma2'" in note[0], note
+    refusal = "--pack on: packing is not supported for model type 'gemma2' (Gemma2ForCausalLM)"
+    with pytest.raises(example.UsageError, match=r"^--pack on: packing is not supported for model type 'gemma2'"):
+        packed_examples(example, tokenizer, gemma2, "--pack", "on")
+    # Found before any process starts, from --model's config: one message, exit status 2.
+    config.architectures = ["Gemma2ForCausalLM"]
+    config.save_pretrained(tmp_path / "gemma2")
+    tokenizer.save_pretrained(tmp_path / "gemma2")
+    err = refused(example, capsys, *SHORT, "--out", str(tmp_path / "out"), "--data", str(CHAT), "--model",
+                  str(tmp_path / "gemma2"), "--pack", "on")
+    assert f"finetune_hf.py: error: {refusal}" in err and "give --pack off" in err, err
