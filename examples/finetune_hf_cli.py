@@ -238,6 +238,11 @@ def check_model(args: argparse.Namespace) -> Any:
     if positions is not None and args.seq > positions:
         raise UsageError(f"--seq {args.seq} is longer than the {positions} positions of --model {args.model} "
                          f"(max_position_embeddings in its config.json); give --seq {positions} or less")
+    if not any((args.model / name).is_file() for name in TOKENIZER_FILES) and not any(args.model.glob("*.tiktoken")):
+        # Else transformers' first complaint is a missing sentencepiece or tiktoken package.
+        raise UsageError(f"--model {args.model}: no tokenizer files there (none of {', '.join(TOKENIZER_FILES)}, "
+                         "*.tiktoken); copy them in from where the model came from (tokenizer.save_pretrained "
+                         "writes them)")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
     except (OSError, ValueError, TypeError) as error:
@@ -249,6 +254,12 @@ def check_model(args: argparse.Namespace) -> Any:
                          f"{positions} positions of --model {args.model}; give --sample-tokens "
                          f"{positions - prompt} or less")
     return config
+
+
+# A tokenizer's vocabulary, one of which every tokenizer folder holds: a fast tokenizer's, a sentencepiece
+# model (Llama 2, Mistral, Gemma; T5's spiece.model), a BPE's or WordPiece's vocabulary.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json",
+                   "vocab.txt")
 
 
 def check_causal_lm(folder: Path, config: Any) -> None:
