@@ -29,12 +29,22 @@ adapter folder), reloaded at the end without bmtwrap to check that it gives the 
 
 Files under ``--out``: ``tokenizer/`` (the default's), ``checkpoint/`` (sharded; ``--resume`` reads it),
 ``hf/`` (the export), ``base/`` (``--lora`` on the default: the base model the adapter applies to),
-``log.jsonl`` (one line per step) and ``summary.json``.
+``log.jsonl`` (one line per step), ``summary.json``, and ``errors.log`` after a crash (every rank's
+traceback).
 
-Exit status: 0 when the run learned and its export matches the sharded model; 1 when it finished but
-did not (the gradient never reached the weights, held-out perplexity did not fall, the reloaded
-export gives another loss or sample: each reason is printed, every output is kept), or a worker
-crashed; 2 for a mistake in the arguments or inputs, refused with one message.
+Whatever ends a run, it ends with one message, printed once by the process that was started, and an
+exit status:
+
+- 0: the run learned and its export matches the sharded model.
+- 1: the run finished but did not learn (the gradient never reached the weights, held-out perplexity
+  did not fall, the reloaded export gives another loss or sample: each reason is printed, every output
+  is kept); or it failed after the start (a full disk, an ``--out`` made read-only, a damaged
+  checkpoint on ``--resume``: the cause named, no traceback); or a process crashed (its error named,
+  every rank's traceback in ``--out/errors.log``). A run that stops after a checkpoint says which
+  checkpoint is intact: ``--resume`` continues from it.
+- 2: a mistake in the arguments or inputs, refused before training.
+- 130: interrupted (Ctrl-C): the processes stop where they are and the message names the step
+  reached and the checkpoint ``--resume`` continues from.
 """
 
 from __future__ import annotations

@@ -463,11 +463,12 @@ def from_pretrained(path: PathLike, *, model_class: Optional[Type[nn.Module]] = 
     with torch.device("meta"):
         try:
             model = build(config, dtype=_resolve_dtype(torch_dtype, config, checkpoint))
-        except ValueError as error:
+        except ValueError:
             if not model_class.__name__.startswith("AutoModel"):
                 raise
-            raise ValueError(f"{folder} holds a {_saved_class(config)}, which {model_class.__name__} cannot build "
-                             f"({error}); pass the class to build as model_class=, e.g. "
+            # transformers' own message lists every config class the Auto class takes, not model_class=.
+            raise ValueError(f"{folder} holds a {_saved_class(config)} ({type(config).__name__}), which "
+                             f"{model_class.__name__} cannot build; pass the class to build as model_class=, e.g. "
                              f"from_pretrained({str(folder)!r}, model_class=transformers.{_class_for(config)})") from None
     wrap(model, **wrap_options)
     _load(model, checkpoint, strict=strict)
