@@ -88,7 +88,8 @@ def _classes_for(config: Any) -> List[str]:
     folder was saved from them), the family's causal LM, then its other heads (transformers' Auto mappings)."""
     from transformers.models.auto import modeling_auto
 
-    names = [n for n in getattr(config, "architectures", None) or () if (cls := _model_class(n)) and _takes(cls, config)]
+    saved = getattr(config, "architectures", None) or ()
+    names = [n for n in saved if (cls := _model_class(n)) is not None and _takes(cls, config)]
     mappings = ["MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES"] + sorted(
         n for n in dir(modeling_auto) if n.startswith("MODEL_FOR_") and n.endswith("_MAPPING_NAMES"))
     for mapping in mappings:

@@ -66,9 +66,9 @@ from torch import nn
 
 import bmtwrap as bmt
 # The command line, the checks of every input and the torchrun launch live beside this file.
-from finetune_hf_cli import (DID_NOT_LEARN, LEARNED, MISTAKE, PROG, SHAPES, Outcome, RunFailed, UsageError,
-                             cannot_write, check_inputs, ended_by, joined_as_worker, leave, lora_targets, parse_args,
-                             planned_world_size, resumed_batch, run_identity, run_under_torchrun, settle)
+from finetune_hf_cli import (DID_NOT_LEARN, FAILED, INTERRUPTED, LEARNED, MISTAKE, PROG, SHAPES, Outcome, RunFailed,
+                             UsageError, cannot_write, check_inputs, ended_by, joined_as_worker, leave, lora_targets,
+                             parse_args, planned_world_size, resumed_batch, run_identity, run_under_torchrun, settle)
 
 EOS = "<|endoftext|>"
 
@@ -91,12 +91,28 @@ def main(argv: Optional[List[str]] = None) -> NoReturn:
     except UsageError as mistake:
         outcome = Outcome(MISTAKE, f"{PROG}: error: {mistake}")
     except (Exception, KeyboardInterrupt) as error:
-        if "LOCAL_RANK" in os.environ and not worker and not isinstance(error, KeyboardInterrupt):
-            raise  # under a torchrun of the user's own, a crash keeps its traceback there
-        outcome = ended_by(error)
-        if not worker:  # this process is the whole job (or rank 0 of the user's torchrun says it)
-            outcome = settle([outcome], args, started)
+        outcome = stopped(error, args, worker, started)
     leave(outcome, args)
+
+
+def stopped(error: BaseException, args: argparse.Namespace, worker: bool, started: float) -> Outcome:
+    """How this process ends on ``error`` (see [Note: how a run ends] in finetune_hf_cli.py)."""
+    outcome = ended_by(error)
+    if worker:
+        return outcome  # the launching process makes the one message of every rank's
+    if "LOCAL_RANK" not in os.environ:
+        return settle([outcome], args, started)  # this process was the whole job
+    # A torchrun of the user's own: every rank gets an interrupt, and rank 0 tells it; a failure is
+    # told by the rank that saw it; a crash keeps its traceback.
+    if outcome.traceback and not outcome.consequence:
+        raise error
+    if outcome.consequence:
+        return Outcome(FAILED)  # the rank whose failure this one follows says why
+    outcome = settle([outcome], args, started)
+    if outcome.status != INTERRUPTED:
+        print(outcome.message, file=sys.stderr, flush=True)
+        outcome = outcome._replace(message="")
+    return outcome
 
 
 # -----------------------------------------------------------------------------

@@ -516,8 +516,8 @@ def settle(reports: List[Outcome], args: argparse.Namespace, started: float) -> 
     first = next((report for report in failed if not report.consequence), failed[0])
     if first.status == INTERRUPTED:
         step = last_logged_step(args.out, started)
-        return Outcome(INTERRUPTED, f"{PROG}: interrupted {'before the first step' if step is None else f'at step {step}'}"
-                       f"; {resume_hint(args, started)}")
+        where = "before the first step" if step is None else f"at step {step}"
+        return Outcome(INTERRUPTED, f"{PROG}: interrupted {where}; {resume_hint(args, started)}")
     if not first.stopped:
         return first
     message = first.message

@@ -37,7 +37,8 @@ QUICK = ["--processes", "2", "--steps", "4", "--save-every", "0", "--eval-batche
          "--sample-tokens", "8"]
 
 
-def run_example(*args: str, check: bool = True, cwd: Path = ROOT, wrapper: List[str] = ()) -> subprocess.CompletedProcess:
+def run_example(*args: str, check: bool = True, cwd: Path = ROOT,
+                wrapper: List[str] = ()) -> subprocess.CompletedProcess:
     """The example run to its end (under ``wrapper``, e.g. ``unshare ...``, where given)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run([*wrapper, sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, env=env,

@@ -469,7 +469,8 @@ def from_pretrained(path: PathLike, *, model_class: Optional[Type[nn.Module]] = 
             # transformers' own message lists every config class the Auto class takes, not model_class=.
             raise ValueError(f"{folder} holds a {_saved_class(config)} ({type(config).__name__}), which "
                              f"{model_class.__name__} cannot build; pass the class to build as model_class=, e.g. "
-                             f"from_pretrained({str(folder)!r}, model_class=transformers.{_class_for(config)})") from None
+                             f"from_pretrained({str(folder)!r}, model_class=transformers.{_class_for(config)})"
+                             ) from None
     wrap(model, **wrap_options)
     _load(model, checkpoint, strict=strict)
     if (folder / "generation_config.json").is_file() and model.can_generate():

@@ -250,8 +250,8 @@ def _check_rendezvous(init_method: str) -> None:
         raise RuntimeError(
             f"RANK and WORLD_SIZE are set (rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}) but "
             f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: init_distributed joins the job at "
-            "MASTER_ADDR:MASTER_PORT, the address and a free port of rank 0's machine, as torchrun sets them. Start the "
-            "program with torchrun (e.g. `torchrun --nproc_per_node=2 train.py`), set MASTER_ADDR and MASTER_PORT in "
+            "MASTER_ADDR:MASTER_PORT, the address and a free port of rank 0's machine, as torchrun sets them. "
+            "Start the program with torchrun (e.g. `torchrun --nproc_per_node=2 train.py`), set MASTER_ADDR and MASTER_PORT in "
             "every process, or unset RANK and WORLD_SIZE to run as a world of one")
 
 
