@@ -29,8 +29,7 @@ adapter folder), reloaded at the end without bmtwrap to check that it gives the 
 
 Files under ``--out``: ``tokenizer/`` (the default's), ``checkpoint/`` (sharded; ``--resume`` reads it),
 ``hf/`` (the export), ``base/`` (``--lora`` on the default: the base model the adapter applies to),
-``log.jsonl`` (one line per step), ``summary.json``, and ``errors.log`` after a crash (every rank's
-traceback).
+``log.jsonl`` (one line per step), ``summary.json``, and after a crash ``errors.log`` (its tracebacks).
 
 Whatever ends a run, it ends with one message, printed once by the process that was started, and an
 exit status:
@@ -65,10 +64,10 @@ import torch.distributed as dist
 from torch import nn
 
 import bmtwrap as bmt
-# The command line, the checks of every input and the torchrun launch live beside this file.
-from finetune_hf_cli import (DID_NOT_LEARN, FAILED, INTERRUPTED, LEARNED, MISTAKE, PROG, SHAPES, Outcome, RunFailed,
-                             UsageError, cannot_write, check_inputs, ended_by, joined_as_worker, leave, lora_targets,
-                             parse_args, planned_world_size, resumed_batch, run_identity, run_under_torchrun, settle)
+# The command line and the checks of every input, and how the processes start and end, live beside this file.
+from finetune_hf_cli import (DID_NOT_LEARN, LEARNED, MISTAKE, PROG, SHAPES, Outcome, RunFailed, UsageError,
+                             check_inputs, lora_targets, parse_args, planned_world_size, resumed_batch, run_identity)
+from finetune_hf_launch import cannot_write, joined_as_worker, leave, run_under_torchrun, stopped
 
 EOS = "<|endoftext|>"
 
@@ -93,26 +92,6 @@ def main(argv: Optional[List[str]] = None) -> NoReturn:
     except (Exception, KeyboardInterrupt) as error:
         outcome = stopped(error, args, worker, started)
     leave(outcome, args)
-
-
-def stopped(error: BaseException, args: argparse.Namespace, worker: bool, started: float) -> Outcome:
-    """How this process ends on ``error`` (see [Note: how a run ends] in finetune_hf_cli.py)."""
-    outcome = ended_by(error)
-    if worker:
-        return outcome  # the launching process makes the one message of every rank's
-    if "LOCAL_RANK" not in os.environ:
-        return settle([outcome], args, started)  # this process was the whole job
-    # A torchrun of the user's own: every rank gets an interrupt, and rank 0 tells it; a failure is
-    # told by the rank that saw it; a crash keeps its traceback.
-    if outcome.traceback and not outcome.consequence:
-        raise error
-    if outcome.consequence:
-        return Outcome(FAILED)  # the rank whose failure this one follows says why
-    outcome = settle([outcome], args, started)
-    if outcome.status != INTERRUPTED:
-        print(outcome.message, file=sys.stderr, flush=True)
-        outcome = outcome._replace(message="")
-    return outcome
 
 
 # -----------------------------------------------------------------------------

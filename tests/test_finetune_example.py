@@ -520,27 +520,28 @@ def report(example: ModuleType, **fields: Any) -> Any:
 
 def test_the_first_cause_is_told_once(example: ModuleType, tmp_path: Path) -> None:
     """How the launching process makes one message of its workers' reports (in rank order)."""
+    launch = sys.modules["finetune_hf_launch"]  # imported by the example, from beside it
     args = example.parse_args(["--out", str(tmp_path)])
     started = time.time() - 1
     lost = report(example, message="rank 0 crashed: DistBackendError: Connection closed by peer", consequence=True,
                   traceback="--- rank 0\nlost\n")
     cause = report(example, message="finetune_hf.py: step 3: cannot write log.jsonl (No space left on device)")
-    assert example.settle([lost, cause], args, started).message == (
+    assert launch.settle([lost, cause], args, started).message == (
         f"{cause.message}; no checkpoint of this run was saved: run it again from the start, without --resume")
     assert not (tmp_path / "errors.log").exists(), "a known cause keeps no traceback"
     # A checkpoint of an earlier run in --out is not this run's to continue, unless it resumed from it.
     (tmp_path / "checkpoint").mkdir()
     (tmp_path / "checkpoint" / "index.json").write_text(json.dumps({"step": 4}))
     os.utime(tmp_path / "checkpoint" / "index.json", (started - 60, started - 60))
-    assert "no checkpoint of this run was saved" in example.settle([cause], args, started).message
+    assert "no checkpoint of this run was saved" in launch.settle([cause], args, started).message
     resumed = example.parse_args(["--out", str(tmp_path), "--resume"])
-    assert "the checkpoint of step 4 in" in example.settle([cause], resumed, started).message
+    assert "the checkpoint of step 4 in" in launch.settle([cause], resumed, started).message
     # A crash: its message, and every rank's traceback in errors.log.
     try:
         raise KeyError("oops")
     except KeyError as error:
-        crash = example.ended_by(error)
-    ending = example.settle([lost, crash], args, started)
+        crash = launch.ended_by(error)
+    ending = launch.settle([lost, crash], args, started)
     assert ending.status == 1 and ending.message.startswith("finetune_hf.py: rank 0 crashed: KeyError: 'oops' (the "
                                                             f"traceback of every rank is in {tmp_path / 'errors.log'})")
     kept = (tmp_path / "errors.log").read_text()
