@@ -48,7 +48,9 @@ def run_under_torchrun(argv: List[str], nproc: int, args: argparse.Namespace) ->
     """
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1" if not torch.cuda.is_available() else str(max(1, os.cpu_count() // nproc)))
-    env["PET_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGHUP,SIGQUIT"  # torchrun's --signals-to-handle, without SIGINT
+    # torchrun's --signals-to-handle without SIGINT (torch 2.9 on; an older torchrun still stops the workers
+    # on Ctrl-C itself, with its own traceback).
+    env["PET_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGHUP,SIGQUIT"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(EXAMPLE), *argv]
     print(f"finetune_hf: starting {nproc} processes: torchrun --standalone --nproc_per_node={nproc} ...", flush=True)
