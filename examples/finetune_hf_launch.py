@@ -108,7 +108,9 @@ def joined_as_worker() -> bool:
     if folder is None:
         return False
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    (Path(folder) / f"rank{int(os.environ.get('RANK', '0')):05d}.pid").write_text(str(os.getpid()))
+    pid_file = Path(folder) / f"rank{int(os.environ.get('RANK', '0')):05d}.pid"
+    pid_file.with_suffix(".tmp").write_text(str(os.getpid()))
+    pid_file.with_suffix(".tmp").replace(pid_file)  # whole when the launching process reads it
     return True
 
 
