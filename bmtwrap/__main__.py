@@ -83,14 +83,28 @@ def _takes(cls: type, config: Any) -> bool:
     return not isinstance(expected, type) or isinstance(config, expected)
 
 
-def _classes_for(config: Any) -> str:
-    """The model classes of the config's family, for an error message."""
-    import transformers
+def _classes_for(config: Any) -> List[str]:
+    """The model classes that build from ``config``, best first: the ones config.architectures names (the
+    folder was saved from them), the family's causal LM, then its other heads (transformers' Auto mappings)."""
+    from transformers.models.auto import modeling_auto
 
-    family = type(config).__name__.removesuffix("Config")
-    names = sorted(n for n in dir(transformers) if n.startswith(family) and ("For" in n or n.endswith("Model"))
-                   and not n.lower().endswith("pretrainedmodel"))
-    return ", ".join(names[:12]) + (" ..." if len(names) > 12 else "") if names else "(none found)"
+    saved = getattr(config, "architectures", None) or ()
+    names = [n for n in saved if (cls := _model_class(n)) is not None and _takes(cls, config)]
+    mappings = ["MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES"] + sorted(
+        n for n in dir(modeling_auto) if n.startswith("MODEL_FOR_") and n.endswith("_MAPPING_NAMES"))
+    for mapping in mappings:
+        found = getattr(modeling_auto, mapping).get(getattr(config, "model_type", None), ())
+        names += [n for n in ((found,) if isinstance(found, str) else found) if n not in names]
+    return [n for n in names if _model_class(n) is not None]
+
+
+def _suggest(config: Any) -> str:
+    """What to give --model-class instead, for an error message."""
+    names = _classes_for(config)
+    if not names:
+        return f"transformers has no model class for a {type(config).__name__}"
+    others = f"; the others for a {type(config).__name__}: {', '.join(names[1:9])}{' ...' if len(names) > 9 else ''}"
+    return f"give --model-class {names[0]}{others if len(names) > 1 else ''}"
 
 
 def _chosen_class(config: Any, override: Optional[str]) -> Tuple[Optional[type], str]:
@@ -102,11 +116,11 @@ def _chosen_class(config: Any, override: Optional[str]) -> Tuple[Optional[type],
     if override is not None:
         cls = _model_class(override)
         if cls is None:
-            raise SystemExit(f"--model-class {override}: transformers has no model class of that name; the classes for "
-                             f"{type(config).__name__} include {_classes_for(config)}")
+            raise SystemExit(f"--model-class {override}: transformers has no model class of that name; "
+                             f"{_suggest(config)}")
         if not _takes(cls, config):
             raise SystemExit(f"--model-class {override} builds from a {cls.config_class.__name__}, but the config is a "
-                             f"{type(config).__name__}; the classes for it include {_classes_for(config)}")
+                             f"{type(config).__name__}; {_suggest(config)}")
         return cls, "given by --model-class"
     named = list(getattr(config, "architectures", None) or ())
     if not named:

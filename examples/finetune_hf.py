@@ -31,12 +31,21 @@ adapter folder), reloaded at the end without bmtwrap to check that it gives the 
 
 Files under ``--out``: ``tokenizer/`` (the default's), ``checkpoint/`` (sharded; ``--resume`` reads it),
 ``hf/`` (the export), ``base/`` (``--lora`` on the default: the base model the adapter applies to),
-``log.jsonl`` (one line per step) and ``summary.json``.
+``log.jsonl`` (one line per step), ``summary.json``, and after a crash ``errors.log`` (its tracebacks).
 
-Exit status: 0 when the run learned and its export matches the sharded model; 1 when it finished but
-did not (the gradient never reached the weights, held-out perplexity did not fall, the reloaded
-export gives another loss or sample: each reason is printed, every output is kept), or a worker
-crashed; 2 for a mistake in the arguments or inputs, refused with one message.
+Whatever ends a run, it ends with one message, printed once by the process that was started, and an
+exit status:
+
+- 0: the run learned and its export matches the sharded model.
+- 1: the run finished but did not learn (the gradient never reached the weights, held-out perplexity
+  did not fall, the reloaded export gives another loss or sample: each reason is printed, every output
+  is kept); or it failed after the start (a full disk, an ``--out`` made read-only, a damaged
+  checkpoint on ``--resume``: the cause named, no traceback); or a process crashed (its error named,
+  every rank's traceback in ``--out/errors.log``). A run that stops after a checkpoint says which
+  checkpoint is intact: ``--resume`` continues from it.
+- 2: a mistake in the arguments or inputs, refused before training.
+- 130: interrupted (Ctrl-C): the processes stop where they are and the message names the step
+  reached and the checkpoint ``--resume`` continues from.
 """
 
 from __future__ import annotations
@@ -57,10 +66,10 @@ import torch.distributed as dist
 from torch import nn
 
 import bmtwrap as bmt
-# The command line, the checks of every input and the torchrun launch live beside this file.
-from finetune_hf_cli import (DID_NOT_LEARN, LEARNED, MISTAKE, PROG, REPORT_ENV, SHAPES, Outcome, UsageError,
-                             check_inputs, leave, lora_targets, parse_args, planned_world_size, resumed_batch,
-                             run_identity, run_under_torchrun)
+# The command line and the checks of every input, and how the processes start and end, live beside this file.
+from finetune_hf_cli import (DID_NOT_LEARN, LEARNED, MISTAKE, PROG, SHAPES, Outcome, RunFailed, UsageError,
+                             check_inputs, lora_targets, parse_args, planned_world_size, resumed_batch, run_identity)
+from finetune_hf_launch import cannot_write, joined_as_worker, leave, run_under_torchrun, stopped
 # The tokenizer and the batches: a text file's windows, or records' examples.
 from finetune_hf_data import Batch, load_data, pack_or_pad, prompt_ids
 
@@ -69,18 +78,22 @@ def main(argv: Optional[List[str]] = None) -> NoReturn:
     """Check, then train here (under torchrun, or on one process) or start torchrun and report its outcome."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv, description=" ".join(__doc__.split("\n\n")[i] for i in (0, 3)))
+    worker = joined_as_worker()  # one of ours, under the torchrun we started: it reports how the run ended
+    started = time.time()
     try:
         world = planned_world_size(args)
-        if REPORT_ENV not in os.environ:  # our own workers skip this: the launching process checked
+        if not worker:  # our own workers skip this: the launching process checked
             check_inputs(args)
         if args.resume:  # checked here, set again in every worker: the global batch stays the checkpoint's
             args.batch = resumed_batch(args, world)
         if "LOCAL_RANK" not in os.environ and world > 1:
-            leave(run_under_torchrun(argv, world))
+            leave(run_under_torchrun(argv, world, args), args)
         outcome = train_in_this_process(args)
     except UsageError as mistake:
         outcome = Outcome(MISTAKE, f"{PROG}: error: {mistake}")
-    leave(outcome)
+    except (Exception, KeyboardInterrupt) as error:
+        outcome = stopped(error, args, worker, started)
+    leave(outcome, args)
 
 
 # -----------------------------------------------------------------------------
@@ -367,7 +380,7 @@ def fine_tune(run: Run, ctx: Any) -> Summary:
         raise UsageError(f"the model has no trainable parameter{' (--lora-targets?)' if args.lora else ''}")
     say(f"model: {type(model).__name__}, {model.config.num_hidden_layers} layers, ~{trainable / 1e6:.1f} M trainable "
         f"parameters sharded over {ctx.world_size}; data: {run.data.describe()}, vocabulary {len(run.tokenizer)}")
-    start = bmt.load_checkpoint(args.out / "checkpoint", model, run.manager, run.scheduler).step if args.resume else 0
+    start = resume(run) if args.resume else 0
     summary = Summary(world_size=ctx.world_size, device=run.device.type, start_step=start,
                       last_step=args.stop_at or args.steps, trainable_parameters=trainable,
                       ppl_before=perplexity(model, run.data, args, run.device))
@@ -378,6 +391,16 @@ def fine_tune(run: Run, ctx: Any) -> Summary:
     else:
         evaluate_and_export(run, summary, ctx.rank)
     return summary
+
+
+def resume(run: Run) -> int:
+    """The step of the checkpoint in --out, loaded into the model, its optimizer and schedule."""
+    folder = run.args.out / "checkpoint"
+    try:
+        return bmt.load_checkpoint(folder, run.model, run.manager, run.scheduler).step
+    except (OSError, ValueError) as error:  # a damaged or missing file, named by load_checkpoint
+        raise RunFailed(f"--resume: the checkpoint in {folder} cannot be loaded: {error}; or run "
+                        "again from the start, without --resume", resumable=False) from None
 
 
 def train(run: Run, summary: Summary, rank: int, world: int) -> None:
@@ -425,14 +448,16 @@ def train(run: Run, summary: Summary, rank: int, world: int) -> None:
         window = now
         throughput.append(record["tokens_s"])
         if log is not None:
-            log.write(json.dumps(record) + "\n")
-            log.flush()
+            log_step(log, record)
             bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{record['tokens_s']:,.0f}",
                             mem=f"{record['mem_gib']:.1f}G", refresh=False)
             bar.update(1)
         if step == last or (args.save_every and step % args.save_every == 0):
             run_record = {"run": run_identity(args), "global_batch": args.batch * world, "processes": world}
-            bmt.save_checkpoint(args.out / "checkpoint", model, manager, scheduler, step=step, extra=run_record)
+            try:
+                bmt.save_checkpoint(args.out / "checkpoint", model, manager, scheduler, step=step, extra=run_record)
+            except (OSError, RuntimeError) as error:  # the folder cannot take it, named by save_checkpoint
+                raise RunFailed(f"step {step}: {error}") from None
     if log is not None:
         bar.close()
         log.close()
@@ -457,14 +482,27 @@ def open_log(path: Path, start: int) -> TextIO:
     short by the kill is dropped too.
     """
     kept = []
-    for line in path.read_text().splitlines() if start and path.is_file() else []:
-        try:
-            if json.loads(line)["step"] <= start:
-                kept.append(line + "\n")
-        except (ValueError, KeyError, TypeError):
-            continue
-    path.write_text("".join(kept))
-    return path.open("a")
+    try:
+        for line in path.read_text().splitlines() if start and path.is_file() else []:
+            try:
+                if json.loads(line)["step"] <= start:
+                    kept.append(line + "\n")
+            except (ValueError, KeyError, TypeError):
+                continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(kept))
+        return path.open("a")
+    except OSError as error:  # --out changed since the check at the start (a full disk, made read-only)
+        raise RunFailed(cannot_write(path, error)) from None
+
+
+def log_step(log: TextIO, record: Dict[str, Any]) -> None:
+    """One line of log.jsonl, on disk at once: a run that stops later has logged its steps."""
+    try:
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+    except OSError as error:  # the line is not written: the disk filled up since
+        raise RunFailed(f"step {record['step']}: {cannot_write(log.name, error)}") from None
 
 
 def evaluate_and_export(run: Run, summary: Summary, rank: int) -> None:

@@ -1,5 +1,5 @@
 """The command line of examples/finetune_hf.py: its arguments, the checks of every input before any process
-starts, resuming on another number of processes, and the torchrun workers' one message for how a run ended.
+starts, and resuming on another number of processes (finetune_hf_launch.py starts the processes).
 
 Plumbing, kept apart so that finetune_hf.py reads as the fine-tune itself. A user mistake found here
 or by the workers is one message and exit status 2; see finetune_hf.py's docstring for the rest.
@@ -11,9 +11,7 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, NamedTuple, NoReturn, Optional, Set, Tuple, Union
 
@@ -24,9 +22,11 @@ from bmtwrap.data import DataError, Fields, MissingFields, Shape, find_shape, is
 EXAMPLE = Path(__file__).resolve().parent / "finetune_hf.py"
 DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "genesis_exodus_kjv.txt"
 PROG = "finetune_hf.py"
-# The launching process names a file here for its torchrun workers to report how the run ended.
+# The launching process names a folder here where its torchrun workers report how the run ended.
 REPORT_ENV = "FINETUNE_HF_REPORT"
-LEARNED, DID_NOT_LEARN, MISTAKE = 0, 1, 2  # exit statuses
+# Exit statuses (finetune_hf.py's docstring says when): 1 is also a run that failed or crashed.
+LEARNED, DID_NOT_LEARN, MISTAKE, INTERRUPTED = 0, 1, 2, 130
+FAILED = DID_NOT_LEARN
 
 # Llama shapes built from a config when no --model is given (1b/3b/8b: Llama 3.2 1B/3B and Llama 3 8B).
 SHAPES: Dict[str, Dict[str, Any]] = {
@@ -45,11 +45,26 @@ class UsageError(Exception):
     """A mistake in the arguments or inputs: reported as one message, exit status 2, no traceback."""
 
 
+class RunFailed(Exception):
+    """A failure after the start whose cause is known and named (a full disk, a damaged checkpoint).
+
+    Reported as one message, exit status 1, no traceback; ``resumable``: the checkpoint in --out (if
+    any) is still good to continue from, and the message says so.
+    """
+
+    def __init__(self, message: str, *, resumable: bool = True) -> None:
+        super().__init__(message)
+        self.resumable = resumable
+
+
 class Outcome(NamedTuple):
     """How this process ends: an exit status and the message printed once (empty: none)."""
 
     status: int
     message: str = ""
+    stopped: bool = False  # the run stopped before its end: the message goes on to say which checkpoint is intact
+    traceback: str = ""  # a crash's: written to --out/errors.log, not to the terminal
+    consequence: bool = False  # this rank failed because another one did (a collective lost its peer)
 
 
 # -----------------------------------------------------------------------------
@@ -64,9 +79,19 @@ class Parser(argparse.ArgumentParser):
         sys.exit(MISTAKE)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default after its help, except where there is none to show (None, a flag's False)
+    or the help states it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> Optional[str]:
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse_args(argv: Optional[List[str]] = None, description: str = "") -> argparse.Namespace:
     p = Parser(prog=PROG, usage="%(prog)s [--model FOLDER] [--data FILE] [--out FOLDER] [options]",
-               description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+               description=description, formatter_class=HelpFormatter)
     what = p.add_argument_group("model and data")
     what.add_argument("--model", type=Path, help="a local Hugging Face folder of a causal LM (config, safetensors, "
                       "tokenizer); default: a small Llama built from --shape")
@@ -289,6 +314,11 @@ def check_model(args: argparse.Namespace) -> Any:
     if positions is not None and args.seq > positions:
         raise UsageError(f"--seq {args.seq} is longer than the {positions} positions of --model {args.model} "
                          f"(max_position_embeddings in its config.json); give --seq {positions} or less")
+    if not any((args.model / name).is_file() for name in TOKENIZER_FILES) and not any(args.model.glob("*.tiktoken")):
+        # Else transformers' first complaint is a missing sentencepiece or tiktoken package.
+        raise UsageError(f"--model {args.model}: no tokenizer files there (none of {', '.join(TOKENIZER_FILES)}, "
+                         "*.tiktoken); copy them in from where the model came from (tokenizer.save_pretrained "
+                         "writes them)")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
     except (OSError, ValueError, TypeError) as error:
@@ -300,6 +330,12 @@ def check_model(args: argparse.Namespace) -> Any:
                          f"{positions} positions of --model {args.model}; give --sample-tokens "
                          f"{positions - prompt} or less")
     return config
+
+
+# A tokenizer's vocabulary, one of which every tokenizer folder holds: a fast tokenizer's, a sentencepiece
+# model (Llama 2, Mistral, Gemma; T5's spiece.model), a BPE's or WordPiece's vocabulary.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json",
+                   "vocab.txt")
 
 
 def check_causal_lm(folder: Path, config: Any) -> None:
@@ -449,49 +485,3 @@ def resumed_batch(args: argparse.Namespace, world: int) -> int:
                          f"which {world} processes cannot share evenly; resume on {', '.join(map(str, fits))} "
                          "processes (--processes, or torchrun's --nproc_per_node)")
     return global_batch // world
-
-
-# -----------------------------------------------------------------------------
-# processes: torchrun starts the workers; one message, once, for what they find
-
-
-def run_under_torchrun(argv: List[str], nproc: int) -> Outcome:
-    """Started with plain ``python``: run this script under torchrun, one process per GPU (else 2).
-
-    torchrun prints a long ChildFailedError traceback for any worker that exits non-zero, which
-    would bury a one-line message. So our workers report how the run ended in a file named here
-    (rank 0 writes it), all exit 0 unless they crash, and this process prints the message and
-    exits with the status. A crash (a bug) keeps its traceback and torchrun's status.
-    """
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1" if not torch.cuda.is_available() else str(max(1, os.cpu_count() // nproc)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(EXAMPLE), *argv]
-    print(f"finetune_hf: starting {nproc} processes: torchrun --standalone --nproc_per_node={nproc} ...", flush=True)
-    with tempfile.TemporaryDirectory(prefix="finetune_hf-") as scratch:
-        report = Path(scratch) / "report.json"
-        env[REPORT_ENV] = str(report)
-        workers = subprocess.Popen(cmd, env=env)
-        try:
-            status = workers.wait()
-        except KeyboardInterrupt:  # torchrun got the Ctrl-C too and stops the workers
-            status = workers.wait()
-        if status != 0:
-            return Outcome(status, f"{PROG}: the workers stopped with an error (torchrun exit status {status}); "
-                           "their output above says where")
-        if not report.is_file():
-            return Outcome(DID_NOT_LEARN, f"{PROG}: the workers exited without reporting how the run ended")
-        return Outcome(**json.loads(report.read_text()))
-
-
-def leave(outcome: Outcome) -> NoReturn:
-    """End this process: the message printed once, by rank 0, or handed to the process that started us."""
-    rank = int(os.environ.get("RANK", "0"))
-    report = os.environ.get(REPORT_ENV)
-    if report is not None:  # one of our workers: see run_under_torchrun
-        if rank == 0:
-            Path(report).write_text(json.dumps(outcome._asdict()))
-        sys.exit(0)
-    if rank == 0 and outcome.message:
-        print(outcome.message, file=sys.stderr if outcome.status else sys.stdout, flush=True)
-    sys.exit(outcome.status)  # under a torchrun of the user's own, every rank with the same status

@@ -9,6 +9,7 @@ keeps docs/errors.md and this list the same, row by row.
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import subprocess
 import sys
@@ -115,6 +116,22 @@ def cast_after_wrap(folder: Path) -> None:
     model(torch.ones(1, 4, dtype=torch.float64))
 
 
+def init_without_master_addr(folder: Path) -> None:
+    """init_distributed in a process started with RANK and WORLD_SIZE but no MASTER_ADDR/MASTER_PORT."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, "-c", "import bmtwrap; bmtwrap.init_distributed()"], cwd=ROOT, timeout=120,
+                          env=dict(env, RANK="0", WORLD_SIZE="2"), capture_output=True, text=True)
+    raise RuntimeError(done.stderr)
+
+
+def t5_without_model_class(folder: Path) -> None:
+    import transformers
+
+    config = transformers.T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
+    transformers.T5ForConditionalGeneration(config).save_pretrained(folder / "t5")
+    bmt.from_pretrained(folder / "t5")
+
+
 def cli(*args: str) -> Callable[[Path], None]:
     def run(folder: Path) -> None:
         done = subprocess.run([sys.executable, "-m", "bmtwrap", *args], cwd=ROOT, capture_output=True, text=True,
@@ -135,6 +152,8 @@ ROWS = [
         lambda f: bmt.init_distributed(sp_size=2)),
     Row("init-timeout", ValueError, r"timeout must be a positive, finite time, got -5",
         lambda f: bmt.init_distributed(timeout=-5)),
+    Row("init-without-rendezvous", RuntimeError, r"RANK and WORLD_SIZE are set \(rank 0 of 2\) but MASTER_ADDR and "
+        r"MASTER_PORT are not: .* Start the program with torchrun", init_without_master_addr),
     Row("collective-rank-killed", bmt.CollectiveError, r"rank 1 is dead: no heartbeat for 3 s",
         covered_by="tests/test_faults.py::test_a_killed_rank_is_named_by_the_survivors"),
     Row("collective-rank-hung", bmt.CollectiveError, r"timed out after .* rank 1 is alive but has not reached collective",
@@ -231,6 +250,9 @@ ROWS = [
         covered_by="tests/test_checkpoint_integrity.py::test_truncated_hf_weights_are_named"),
     Row("hf-save-onto-a-file", ValueError, r"save_pretrained writes a folder, but .* is a file",
         covered_by="tests/test_checkpoint_hf.py::test_save_onto_a_file_is_refused"),
+    Row("hf-needs-model-class", ValueError, r"holds a T5ForConditionalGeneration \(T5Config\), which "
+        r"AutoModelForCausalLM cannot build; pass the class to build as model_class=, e\.g\. "
+        r".*model_class=transformers\.T5ForConditionalGeneration", t5_without_model_class),
     # the plan command line
     Row("cli-missing-model", SystemExit, r"no such file or folder|does not exist|not found",
         cli("plan", "no/such/folder")),
@@ -258,6 +280,8 @@ ROWS = [
         covered_by="tests/test_finetune_example.py::test_bad_inputs_are_named_before_training"),
     Row("finetune-seq-past-positions", SystemExit, r"--seq 128 is longer than the 64 positions of --model",
         covered_by="tests/test_finetune_example.py::test_bad_inputs_are_named_before_training"),
+    Row("finetune-model-without-tokenizer", SystemExit, r"--model gpt2: no tokenizer files there \(none of tokenizer",
+        covered_by="tests/test_finetune_example.py::test_bad_inputs_are_named_before_training"),
     Row("finetune-lora-targets", SystemExit, r"--lora-targets .*: the model has no layer named c_attn",
         covered_by="tests/test_finetune_example.py::test_bad_inputs_are_named_before_training"),
     Row("finetune-unwritable-out", SystemExit, r"cannot create the folder .* is a file; move it away or give another",
@@ -284,6 +308,15 @@ ROWS = [
         covered_by="tests/test_finetune_example.py::test_a_mistake_the_workers_find_is_one_message"),
     Row("finetune-did-not-learn", SystemExit, r"the run failed its checks .* the gradient norm was 0",
         covered_by="tests/test_finetune_example.py::test_a_model_that_cannot_learn_fails_the_run"),
+    # examples/finetune_hf.py after the start: one message, exit status 1 (130: interrupted)
+    Row("finetune-interrupted", SystemExit, r"interrupted at step \d+; the checkpoint of step \d+ in .* is intact",
+        covered_by="tests/test_finetune_example.py::test_an_interrupt_ends_with_one_line_and_the_resume_is_exact"),
+    Row("finetune-disk-full", SystemExit, r"cannot write .* \(No space left on device\)",
+        covered_by="tests/test_finetune_example.py::test_a_full_disk_while_logging_is_one_message"),
+    Row("finetune-out-read-only", SystemExit, r"cannot write .*log.jsonl \(Read-only file system\)",
+        covered_by="tests/test_finetune_example.py::test_an_out_made_read_only_after_the_start_is_one_message"),
+    Row("finetune-damaged-checkpoint", SystemExit, r"--resume: the checkpoint in .* cannot be loaded: .* is corrupt",
+        covered_by="tests/test_finetune_example.py::test_a_damaged_checkpoint_is_one_message_on_resume"),
 ]
 
 

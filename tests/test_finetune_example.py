@@ -14,9 +14,12 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Dict, List
@@ -34,10 +37,12 @@ QUICK = ["--processes", "2", "--steps", "4", "--save-every", "0", "--eval-batche
          "--sample-tokens", "8"]
 
 
-def run_example(*args: str, check: bool = True, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+def run_example(*args: str, check: bool = True, cwd: Path = ROOT,
+                wrapper: List[str] = ()) -> subprocess.CompletedProcess:
+    """The example run to its end (under ``wrapper``, e.g. ``unshare ...``, where given)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, env=env, timeout=600,
-                          cwd=cwd)
+    proc = subprocess.run([*wrapper, sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=cwd)
     if check and proc.returncode != 0:
         raise AssertionError(f"finetune_hf.py {' '.join(args)} failed ({proc.returncode}):\n"
                              f"{(proc.stdout + proc.stderr)[-5000:]}")
@@ -120,18 +125,50 @@ def test_plain_transformers_loads_the_export_and_generates_the_same_sample(full_
     assert s["reloaded_check_loss"] == pytest.approx(s["check_loss"], rel=1e-5)
 
 
-def test_resume_continues_with_the_same_losses(full_run: Path, stopped_run: Path, tmp_path: Path) -> None:
+def interrupted(out: Path, after_step: int, *args: str) -> subprocess.CompletedProcess:
+    """The example stopped by Ctrl-C once it has logged ``after_step``: SIGINT to its process group, as a
+    terminal sends it."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    begun = time.time()
+    proc = subprocess.Popen([sys.executable, str(EXAMPLE), *args, "--out", str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    log = out / "log.jsonl"
+    while proc.poll() is None and time.time() < begun + 300:
+        if log.is_file() and log.stat().st_mtime >= begun and len(log_lines(out)) >= after_step:
+            break
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def the_one_message(proc: subprocess.CompletedProcess, status: int) -> str:
+    """The one line a failed run leaves on stderr besides the progress bar: no traceback, the exit status."""
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("fine-tune:")]
+    assert proc.returncode == status and len(lines) == 1, f"exit status {proc.returncode}:\n{proc.stderr[-5000:]}"
+    assert "Traceback" not in proc.stdout + proc.stderr
+    return lines[0]
+
+
+def test_an_interrupt_ends_with_one_line_and_the_resume_is_exact(full_run: Path, stopped_run: Path,
+                                                                  tmp_path: Path) -> None:
     out = tmp_path / "out"
     shutil.copytree(stopped_run, out)
-    # As a run killed after step 6 leaves its log: two steps past the checkpoint, the last line cut short.
+    stopped = interrupted(out, 5, *SHORT, "--resume")
+    message = the_one_message(stopped, 130)
+    logged, saved = log_lines(out)[-1]["step"], json.loads((out / "checkpoint" / "index.json").read_text())["step"]
+    assert message == (f"finetune_hf.py: interrupted at step {logged}; the checkpoint of step {saved} in "
+                       f"{out / 'checkpoint'} is intact; continue with --resume")
+    assert logged >= 5 and not (out / "errors.log").exists()
+    # As a run killed while logging leaves its log: the last line cut short.
     with (out / "log.jsonl").open("a") as log:
-        log.write(json.dumps({"step": 5, "loss": 0.0}) + "\n" + json.dumps({"step": 6, "loss": 0.0}) + '\n{"st')
+        log.write('{"st')
     run_example(*SHORT, "--out", str(out), "--resume")
     assert [r["step"] for r in log_lines(out)] == list(range(1, 9)), "the log repeats or lacks steps"
     resumed, uninterrupted = losses(out), losses(full_run)
     assert resumed == uninterrupted, f"resumed {resumed}\nuninterrupted {uninterrupted}"
     assert summary(out)["ppl_after"] == summary(full_run)["ppl_after"]
-    assert summary(out)["start_step"] == 4
+    assert summary(out)["start_step"] == saved
 
 
 def test_resume_on_another_number_of_processes(full_run: Path, stopped_run: Path, tmp_path: Path) -> None:
@@ -336,6 +373,7 @@ def test_bad_inputs_are_named_before_training(example: ModuleType, capsys: pytes
                              "finetune_hf.py fine-tunes causal language models",
         ("--model", "t5"): "--model t5 holds a T5ForConditionalGeneration (sequence-to-sequence)",
         ("--model", "gpt2", "--seq", "128"): "--seq 128 is longer than the 64 positions of --model gpt2",
+        ("--model", "gpt2"): "--model gpt2: no tokenizer files there (none of tokenizer.json, tokenizer.model, ",
         ("--lora", "--lora-targets", "c_attn,q_proj"): "--lora-targets c_attn,q_proj: the model has no layer named "
                                                        "c_attn that LoRA can adapt; its layers are named down_proj, ",
     }
@@ -629,3 +667,118 @@ def test_pack_off_pads_and_a_family_packing_cannot_keep_apart(example: ModuleTyp
     err = refused(example, capsys, *SHORT, "--out", str(tmp_path / "out"), "--data", str(CHAT), "--model",
                   str(tmp_path / "gemma2"), "--pack", "on")
     assert f"finetune_hf.py: error: {refusal}" in err and "give --pack off" in err, err
+
+
+# --- failures after the start: one message, the exit status, the checkpoint to go on from -----------------
+
+
+def in_a_mount_namespace(script: str) -> List[str]:
+    """A wrapper that runs the example after ``script`` (shell, in the test's directory), in a mount
+    namespace of its own: mounts made there (a small tmpfs, a read-only bind) are seen by this run only."""
+    from test_disk_full import _namespace_works
+
+    if shutil.which("unshare") is None or not _namespace_works():
+        pytest.fail("this test needs `unshare --mount --map-root-user` (util-linux, user namespaces); the machine "
+                    "refuses it")
+    return ["unshare", "--mount", "--map-root-user", "sh", "-c", f'{script} && exec "$@"', "sh"]
+
+
+def damaged(stopped_run: Path, out: Path) -> Path:
+    """A copy of the stopped run whose first shard file has one byte changed."""
+    shutil.copytree(stopped_run, out)
+    shard = sorted((out / "checkpoint").glob("shard-*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    return shard
+
+
+def test_a_damaged_checkpoint_is_one_message_on_resume(stopped_run: Path, tmp_path: Path) -> None:
+    shard = damaged(stopped_run, tmp_path / "out")
+    message = the_one_message(run_example(*SHORT, "--out", str(tmp_path / "out"), "--resume", check=False), 1)
+    assert re.fullmatch(rf"finetune_hf.py: --resume: the checkpoint in {re.escape(str(shard.parent))} cannot be "
+                        rf"loaded: {re.escape(str(shard))} is corrupt: .* have CRC-32 .*; or run again from the "
+                        "start, without --resume", message), message
+
+
+def test_a_full_disk_while_logging_is_one_message(stopped_run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    shutil.copytree(stopped_run, out)
+    (out / "log.jsonl").unlink()
+    (out / "log.jsonl").symlink_to("/dev/full")  # every write fails: No space left on device
+    message = the_one_message(run_example(*SHORT, "--out", str(out), "--resume", check=False), 1)
+    assert message == (f"finetune_hf.py: step 5: cannot write {out / 'log.jsonl'} (No space left on device); free "
+                       f"space on its disk; the checkpoint of step 4 in {out / 'checkpoint'} is intact; continue with "
+                       "--resume")
+    assert not (out / "hf").exists(), "the failed run left the empty folder it was to export to"
+    assert not (out / "errors.log").exists(), "rank 1's lost collective was kept as if it were the cause"
+
+
+def test_an_out_made_read_only_after_the_start_is_one_message(stopped_run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    shutil.copytree(stopped_run, out)
+    (tmp_path / "ro").mkdir()
+    (out / "log.jsonl").rename(tmp_path / "ro" / "log.jsonl")
+    (out / "log.jsonl").symlink_to(tmp_path / "ro" / "log.jsonl")  # the start's check writes into folders only
+    read_only = in_a_mount_namespace(f"mount --bind {tmp_path / 'ro'} {tmp_path / 'ro'} && "
+                                     f"mount -o remount,bind,ro {tmp_path / 'ro'}")
+    proc = run_example(*SHORT, "--out", str(out), "--resume", check=False, wrapper=read_only)
+    assert the_one_message(proc, 1) == (
+        f"finetune_hf.py: cannot write {out / 'log.jsonl'} (Read-only file system); its file system is read-only: "
+        f"make it writable or give another --out; the checkpoint of step 4 in {out / 'checkpoint'} is intact; "
+        "continue with --resume")
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_message(stopped_run: Path, tmp_path: Path) -> None:
+    # Room for the stopped run's checkpoint, not for a second one beside it (the first goes once the second is whole).
+    small, out = tmp_path / "small", tmp_path / "small" / "out"
+    small.mkdir()
+    size = sum(f.stat().st_size for f in stopped_run.rglob("*") if f.is_file())
+    full = in_a_mount_namespace(f"mount -t tmpfs -o size={size * 3 // 2} tmpfs {small} && cp -r {stopped_run} {out}")
+    proc = run_example(*SHORT, "--out", str(out), "--resume", check=False, wrapper=full)
+    message = the_one_message(proc, 1)
+    assert message.startswith(f"finetune_hf.py: step 8: cannot write the checkpoint in {out / 'checkpoint'} ("), message
+    assert "No space left on device" in message
+    assert message.endswith(f"; the checkpoint of step 4 in {out / 'checkpoint'} is intact; continue with --resume")
+
+
+def report(example: ModuleType, **fields: Any) -> Any:
+    return example.Outcome(**{"status": 1, "stopped": True, **fields})
+
+
+def test_the_first_cause_is_told_once(example: ModuleType, tmp_path: Path) -> None:
+    """How the launching process makes one message of its workers' reports (in rank order)."""
+    launch = sys.modules["finetune_hf_launch"]  # imported by the example, from beside it
+    args = example.parse_args(["--out", str(tmp_path)])
+    started = time.time() - 1
+    lost = report(example, message="rank 0 crashed: DistBackendError: Connection closed by peer", consequence=True,
+                  traceback="--- rank 0\nlost\n")
+    cause = report(example, message="finetune_hf.py: step 3: cannot write log.jsonl (No space left on device)")
+    assert launch.settle([lost, cause], args, started).message == (
+        f"{cause.message}; no checkpoint of this run was saved: run it again from the start, without --resume")
+    assert not (tmp_path / "errors.log").exists(), "a known cause keeps no traceback"
+    # A checkpoint of an earlier run in --out is not this run's to continue, unless it resumed from it.
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "index.json").write_text(json.dumps({"step": 4}))
+    os.utime(tmp_path / "checkpoint" / "index.json", (started - 60, started - 60))
+    assert "no checkpoint of this run was saved" in launch.settle([cause], args, started).message
+    resumed = example.parse_args(["--out", str(tmp_path), "--resume"])
+    assert "the checkpoint of step 4 in" in launch.settle([cause], resumed, started).message
+    # A crash: its message, and every rank's traceback in errors.log.
+    try:
+        raise KeyError("oops")
+    except KeyError as error:
+        crash = launch.ended_by(error)
+    ending = launch.settle([lost, crash], args, started)
+    assert ending.status == 1 and ending.message.startswith("finetune_hf.py: rank 0 crashed: KeyError: 'oops' (the "
+                                                            f"traceback of every rank is in {tmp_path / 'errors.log'})")
+    kept = (tmp_path / "errors.log").read_text()
+    assert "lost" in kept and "raise KeyError" in kept
+
+
+def test_help_states_each_default_once(example: ModuleType, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        example.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert "(default: 10% of --steps)" in text and "(default: 300)" in text

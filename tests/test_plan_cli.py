@@ -93,15 +93,26 @@ def test_auto_classes_choose_when_the_config_names_no_usable_class(folders, caps
 
 
 def test_model_class_that_transformers_lacks(folders):
+    # The class the folder was saved from comes first.
     with pytest.raises(SystemExit, match=r"--model-class BartForEverything: transformers has no model class of that "
-                                         r"name; the classes for BartConfig include .*BartForConditionalGeneration"):
+                                         r"name; give --model-class BartForConditionalGeneration; the others for a "
+                                         r"BartConfig: BartForCausalLM, BartModel, "):
         main(["plan", str(folders["bart"]), "--model-class", "BartForEverything"])
 
 
 def test_model_class_of_another_model(folders):
     with pytest.raises(SystemExit, match=r"--model-class BertForMaskedLM builds from a BertConfig, but the config is a "
-                                         r"LlamaConfig; the classes for it include .*LlamaForCausalLM"):
+                                         r"LlamaConfig; give --model-class LlamaForCausalLM; the others for a "
+                                         r"LlamaConfig: LlamaModel, Llama") as refused:
         main(["plan", str(folders["llama"]), "--model-class", "BertForMaskedLM"])
+    assert "Llama4" not in str(refused.value), "another family's class suggested"
+
+
+def test_model_class_suggestion_without_architectures(folders, tmp_path):
+    # Nothing recorded: the family's causal LM is the first suggestion.
+    config = _without_architectures(folders["llama"], tmp_path, [])
+    with pytest.raises(SystemExit, match=r"LlamaConfig; give --model-class LlamaForCausalLM; the others"):
+        main(["plan", str(config), "--model-class", "BertForMaskedLM"])
 
 
 def test_a_gpu_budget_plans_the_blocks_that_fit(folders, capsys):

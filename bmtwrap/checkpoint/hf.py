@@ -404,6 +404,20 @@ def _resolve_dtype(torch_dtype: Any, config: Any, checkpoint: _Checkpoint) -> to
     return floats[0] if floats else torch.get_default_dtype()
 
 
+def _saved_class(config: Any) -> str:
+    return (getattr(config, "architectures", None) or [type(config).__name__.removesuffix("Config") + " model"])[0]
+
+
+def _class_for(config: Any) -> str:
+    """The class the folder was saved from where transformers has it, else the Auto class for its kind."""
+    import transformers
+
+    saved = (getattr(config, "architectures", None) or [""])[0]
+    if saved and isinstance(getattr(transformers, saved, None), type):
+        return saved
+    return "AutoModelForSeq2SeqLM" if getattr(config, "is_encoder_decoder", False) else "AutoModel"
+
+
 def from_pretrained(path: PathLike, *, model_class: Optional[Type[nn.Module]] = None, torch_dtype: Any = None,
                     config: Any = None, strict: bool = False, **wrap_options: Any) -> nn.Module:
     """Build a transformers model on the meta device, wrap it, and stream a checkpoint folder into it.
@@ -426,7 +440,8 @@ def from_pretrained(path: PathLike, *, model_class: Optional[Type[nn.Module]] = 
 
     Raises:
         RuntimeError: :func:`bmtwrap.init_distributed` was not called first.
-        FileNotFoundError, ValueError: as :func:`load_pretrained`.
+        FileNotFoundError, ValueError: as :func:`load_pretrained`; ValueError also when the Auto
+            class cannot build the folder's model (a T5 without ``model_class``), naming the class to pass.
 
     Example::
 
@@ -446,7 +461,16 @@ def from_pretrained(path: PathLike, *, model_class: Optional[Type[nn.Module]] = 
     model_class = model_class or transformers.AutoModelForCausalLM
     build = getattr(model_class, "from_config", None) or model_class._from_config
     with torch.device("meta"):
-        model = build(config, dtype=_resolve_dtype(torch_dtype, config, checkpoint))
+        try:
+            model = build(config, dtype=_resolve_dtype(torch_dtype, config, checkpoint))
+        except ValueError:
+            if not model_class.__name__.startswith("AutoModel"):
+                raise
+            # transformers' own message lists every config class the Auto class takes, not model_class=.
+            raise ValueError(f"{folder} holds a {_saved_class(config)} ({type(config).__name__}), which "
+                             f"{model_class.__name__} cannot build; pass the class to build as model_class=, e.g. "
+                             f"from_pretrained({str(folder)!r}, model_class=transformers.{_class_for(config)})"
+                             ) from None
     wrap(model, **wrap_options)
     _load(model, checkpoint, strict=strict)
     if (folder / "generation_config.json").is_file() and model.can_generate():

@@ -243,6 +243,18 @@ def _pick_device(local_rank: int, backend: Optional[str]) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def _check_rendezvous(init_method: str) -> None:
+    """RANK and WORLD_SIZE without MASTER_ADDR/MASTER_PORT: torch's error names neither torchrun nor the variables."""
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if init_method == "env://" and missing:
+        raise RuntimeError(
+            f"RANK and WORLD_SIZE are set (rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}) but "
+            f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: init_distributed joins the job at "
+            "MASTER_ADDR:MASTER_PORT, the address and a free port of rank 0's machine, as torchrun sets them. "
+            "Start the program with torchrun (e.g. `torchrun --nproc_per_node=2 train.py`), set MASTER_ADDR and MASTER_PORT in "
+            "every process, or unset RANK and WORLD_SIZE to run as a world of one")
+
+
 def init_distributed(
     seed: int = 0,
     zero_level: int = 3,
@@ -305,7 +317,8 @@ def init_distributed(
             ``timeout`` not positive and finite; a ``shard_size`` that does not divide the world size, or
             that the ranks disagree on.
         TypeError: ``timeout`` neither a ``timedelta`` nor a number of seconds.
-        RuntimeError: ``LOCAL_RANK`` names a GPU this process cannot see (more processes than GPUs).
+        RuntimeError: ``LOCAL_RANK`` names a GPU this process cannot see (more processes than GPUs);
+            ``RANK`` and ``WORLD_SIZE`` set without ``MASTER_ADDR`` or ``MASTER_PORT`` (not under torchrun).
         NotImplementedError: ``pipe_size``, ``tp_size`` or ``sp_size`` above 1.
 
     Example::
@@ -344,6 +357,7 @@ def init_distributed(
         chosen = backend or ("nccl" if device.type == "cuda" else "gloo")
         kwargs: dict = {"timeout": wait_limit}
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            _check_rendezvous(init_method)
             if device.type == "cuda":
                 kwargs["device_id"] = device
             dist.init_process_group(chosen, init_method=init_method, **kwargs)
