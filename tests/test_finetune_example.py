@@ -470,14 +470,6 @@ def test_the_bundled_conversations_train_end_to_end(chat_run: Path) -> None:
         assert 0 <= line["padding_share"] < line["padding_share_unpacked"] < 1 and line["tokens_s"] > 0, line
 
 
-def test_packed_resume_continues_with_the_same_losses(chat_run: Path, tmp_path: Path) -> None:
-    run_example(*CHAT_RUN, "--out", str(tmp_path), "--stop-at", "4")
-    assert losses(tmp_path) == {step: loss for step, loss in losses(chat_run).items() if step <= 4}
-    run_example(*CHAT_RUN, "--out", str(tmp_path), "--resume")
-    assert losses(tmp_path) == losses(chat_run), "the resumed run trained on other packed batches"
-    assert summary(tmp_path)["start_step"] == 4 and summary(tmp_path)["ppl_after"] == summary(chat_run)["ppl_after"]
-
-
 @pytest.fixture(scope="module")
 def records(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Data files with mistakes, and a model folder whose tokenizer has no chat template."""
