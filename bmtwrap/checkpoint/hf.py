@@ -460,17 +460,15 @@ def from_pretrained(path: PathLike, *, model_class: Optional[Type[nn.Module]] = 
         config = transformers.AutoConfig.from_pretrained(folder)
     model_class = model_class or transformers.AutoModelForCausalLM
     build = getattr(model_class, "from_config", None) or model_class._from_config
+    dtype = _resolve_dtype(torch_dtype, config, checkpoint)
+    mapping = getattr(model_class, "_model_mapping", None)  # an Auto class's: the config classes it builds
+    if mapping is not None and type(config) not in mapping:
+        # transformers' own message lists every config class the Auto class takes, not model_class=.
+        raise ValueError(f"{folder} holds a {_saved_class(config)} ({type(config).__name__}), which "
+                         f"{model_class.__name__} cannot build; pass the class to build as model_class=, e.g. "
+                         f"from_pretrained({str(folder)!r}, model_class=transformers.{_class_for(config)})")
     with torch.device("meta"):
-        try:
-            model = build(config, dtype=_resolve_dtype(torch_dtype, config, checkpoint))
-        except ValueError:
-            if not model_class.__name__.startswith("AutoModel"):
-                raise
-            # transformers' own message lists every config class the Auto class takes, not model_class=.
-            raise ValueError(f"{folder} holds a {_saved_class(config)} ({type(config).__name__}), which "
-                             f"{model_class.__name__} cannot build; pass the class to build as model_class=, e.g. "
-                             f"from_pretrained({str(folder)!r}, model_class=transformers.{_class_for(config)})"
-                             ) from None
+        model = build(config, dtype=dtype)
     wrap(model, **wrap_options)
     _load(model, checkpoint, strict=strict)
     if (folder / "generation_config.json").is_file() and model.can_generate():
