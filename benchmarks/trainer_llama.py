@@ -20,12 +20,13 @@ every rank builds the same weights from the seed. accelerate applies FSDP on GPU
 
 Activation checkpointing: the arguments' ``gradient_checkpointing`` (TRL's SFTConfig turns it on by
 default, transformers' TrainingArguments leaves it off). With bmtwrap it keeps its default meaning
-(on: ``wrap(checkpoint=True)``; off: ``wrap``'s ``checkpoint="auto"``). The FSDP2 peer takes
+(on: ``wrap(checkpoint=True)``; off: ``wrap``'s ``checkpoint="auto"``); ``--bmtwrap-checkpoint auto``
+passes ``wrap_options={"checkpoint": "auto"}`` instead, whatever the arguments say. The FSDP2 peer takes
 ``--fsdp-checkpointing`` (default true: transformers' checkpointing in every decoder layer, what a TRL
 user gets with that yaml).
 
 The model: a randomly initialised Llama of ``--size`` (``benchmarks/train_llama.py``'s shapes, and
-``tiny`` for CPUs), built in bf16 on the CPU as TRL loads a bf16 checkpoint (``dtype="auto"``).
+``tiny`` for CPUs), built in bf16 (on the process's GPU, if any) as TRL loads a bf16 checkpoint (``dtype="auto"``).
 The data: random token ids, every row ``--seq`` long (no padding), ``labels`` = ``input_ids``. AdamW
 at lr 1e-5, ``max_grad_norm`` 1.0, no logging, evaluation or saving. The median of the step times
 (a ``TrainerCallback`` from ``on_step_begin`` to ``on_step_end``) after ``--warmup`` steps. Prints one
@@ -131,6 +132,9 @@ def main() -> None:
     add_shape_arguments(parser, SIZES)
     parser.add_argument("--trainer", default="sft", choices=["hf", "sft"])
     parser.add_argument("--engine", default="bmtwrap", choices=["bmtwrap", "fsdp2"])
+    parser.add_argument("--bmtwrap-checkpoint", default="args", choices=["args", "auto"],
+                        help="bmtwrap's checkpointing: what the arguments' gradient_checkpointing means (args), or "
+                             "wrap_options={'checkpoint': 'auto'}: the blocks that fit are kept")
     parser.add_argument("--fsdp-checkpointing", default="true", choices=["true", "false"],
                         help="the FSDP2 peer's gradient_checkpointing (transformers' own, every decoder layer)")
     args = parser.parse_args()
@@ -141,7 +145,10 @@ def main() -> None:
     torch.manual_seed(0)  # every rank builds the same weights
     config = transformers.LlamaConfig(max_position_embeddings=max(args.seq, 128), attn_implementation="sdpa",
                                       **SIZES[args.size])
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    # On its GPU: torchrun gives each process one CPU thread, and an 8B model's initialisation on one thread takes
+    # minutes. The peak memory is counted from the start of training, after the model is sharded.
+    with torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     per_token = flops_per_token(config, model, args.seq)
     rows = args.batch * world * (args.warmup + args.steps)
     ids = torch.randint(0, config.vocab_size, (rows, args.seq), generator=torch.Generator().manual_seed(1)).tolist()
@@ -174,6 +181,10 @@ def main() -> None:
                                seq=args.seq, world=world, gradient_checkpointing=checkpointing)
     if args.engine == "fsdp2":
         row["peer_checkpointing"] = "transformers, every decoder layer" if checkpointing else "none"
+    if args.engine == "bmtwrap" and args.bmtwrap_checkpoint == "auto":
+        extra["wrap_options"] = dict(checkpoint="auto")
+        config_args.gradient_checkpointing = False
+        row["bmtwrap_checkpoint"] = "auto"
     try:
         trainer = trainer_class(model=model, args=config_args, train_dataset=data, processing_class=tokenizer(),
                                 callbacks=[timer], **extra)
