@@ -174,8 +174,8 @@ def errors() -> Dict[str, Any]:
         "comm_object": raised(lambda: D.all_reduce(x, comm=object())),
         "root": raised(lambda: D.broadcast(x, world)),
         "not_tensor": raised(lambda: D.all_gather([1.0, 2.0])),
-        "send": raised(lambda: D.send_activations(x, 1, None)),
-        "recv": raised(lambda: D.recv_activations(0, None)),
+        "send": raised(lambda: D.send_activations(x, world, None)),
+        "recv": raised(lambda: D.recv_activations(-1, None)),
         "double_backward": raised(lambda: double_backward(x)),
     }
     if world > 1:
