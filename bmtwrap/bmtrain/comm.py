@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from ..engine import dist as _dist
 
-__all__ = ["Communicator", "CommLike", "Topology", "as_communicator", "config_communicator", "current_topology"]
+__all__ = ["Communicator", "Topology"]
 
 GROUP_KINDS = ("pipe", "pp_zero", "tp", "tp_zero", "pp_tp_zero", "zero")
 
@@ -95,6 +95,7 @@ class Topology:
 
     @property
     def stages(self) -> int:
+        """Pipeline stages: ``pipe_size``."""
         return self.pipe_size
 
     @property
@@ -102,18 +103,20 @@ class Topology:
         """Ranks in one pipeline stage: ``world_size // pipe_size``."""
         return self.world_size // self.pipe_size
 
-    stage_id = property(lambda self: self.rank // self.stage_size)
-    pipe_idx = property(lambda self: self.rank % self.stage_size)
-    tp_id = property(lambda self: self.rank % self.tp_size)
-    tp_idx = property(lambda self: self.rank // self.tp_size)
-    pp_zero_id = property(lambda self: self.pipe_idx)
-    pp_zero_idx = property(lambda self: self.stage_id)
-    tp_zero_id = property(lambda self: self.tp_idx)
-    tp_zero_idx = property(lambda self: self.tp_id)
-    pp_tp_zero_id = property(lambda self: self.pipe_idx // self.tp_size)
-    pp_tp_zero_idx = property(lambda self: self.stage_id * self.tp_size + self.tp_id)
-    zero_id = property(lambda self: self.rank)
-    zero_idx = property(lambda self: 0)
+    stage_id = property(lambda self: self.rank // self.stage_size, doc="The rank's stage: its place in its pipeline.")
+    pipe_idx = property(lambda self: self.rank % self.stage_size, doc="Which pipeline: the place in the stage.")
+    tp_id = property(lambda self: self.rank % self.tp_size, doc="The place in the tensor-parallel group.")
+    tp_idx = property(lambda self: self.rank // self.tp_size, doc="Which tensor-parallel group.")
+    pp_zero_id = property(lambda self: self.pipe_idx, doc="The place in the stage's ZeRO group (the stage).")
+    pp_zero_idx = property(lambda self: self.stage_id, doc="Which stage's ZeRO group.")
+    tp_zero_id = property(lambda self: self.tp_idx, doc="The place among the ranks with this tensor-parallel place.")
+    tp_zero_idx = property(lambda self: self.tp_id, doc="Which tensor-parallel place's ZeRO group.")
+    pp_tp_zero_id = property(lambda self: self.pipe_idx // self.tp_size,
+                             doc="The place among the stage's ranks with this tensor-parallel place.")
+    pp_tp_zero_idx = property(lambda self: self.stage_id * self.tp_size + self.tp_id,
+                              doc="Which (stage, tensor-parallel place) ZeRO group.")
+    zero_id = property(lambda self: self.rank, doc="The place among every rank: the rank.")
+    zero_idx = property(lambda self: 0, doc="Which ZeRO group of every rank: the only one, 0.")
 
     def get_group_id(self, group_name: str) -> int:
         """Which group of kind ``group_name`` this rank joins (BMTrain's ``..._idx``); kinds: ``"pipe"``,
