@@ -17,7 +17,8 @@ import torch.distributed as dist
 import bmtwrap as bmt
 from bmtwrap import nccl
 from bmtwrap.bmtrain.comm import Topology
-from common import run
+from bmtwrap.engine.dist import current
+from common import raised, run
 
 OPS = ("sum", "avg", "max", "min", "prod")
 TORCH_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
@@ -59,7 +60,8 @@ def communicators() -> Dict[str, Any]:
         process_group=nccl.commCount(dist.group.WORLD) == world and nccl.commRank(dist.group.WORLD) == rank,
         is_nccl_communicator=isinstance(c["comm"], nccl.NCCLCommunicator),
         topology=c["topology"] == Topology(rank=rank, world_size=world)
-        and c["topology"].get_group_rank("zero") == c["zero_rank"] and c["topology"].get_group_rank("tp") == c["tp_rank"]
+        and c["topology"].get_group_rank("zero") == c["zero_rank"]
+        and c["topology"].get_group_rank("tp") == c["tp_rank"]
         and c["topology"].get_group_rank("pipe") == c["pipe_rank"] and c["zero_size"] == world,
         world_group=c["comm"].group is dist.group.WORLD,
         own_group=dist.get_world_size(c["tp_comm"].group) == 1,
@@ -149,8 +151,8 @@ def collectives() -> Dict[str, Any]:
     flags = {**all_reduce_checks(), **gather_scatter_checks(), **exchange_checks()}
     rank = bmt.rank()
     x = values(rank, 6).view(2, 3)
-    flags["distributed_all_reduce_zero_comm"] = torch.equal(bmt.distributed.all_reduce(x, "sum", bmt.config["zero_comm"]),
-                                                            bmt.distributed.all_reduce(x, "sum"))
+    flags["distributed_all_reduce_zero_comm"] = torch.equal(
+        bmt.distributed.all_reduce(x, "sum", bmt.config["zero_comm"]), bmt.distributed.all_reduce(x, "sum"))
     flags["distributed_all_gather_tp_comm"] = torch.equal(bmt.distributed.all_gather(x, bmt.config["tp_comm"]), x[None])
     flags["distributed_broadcast_comm"] = torch.equal(bmt.distributed.broadcast(x, 0, bmt.config["comm"]),
                                                       values(0, 6).view(2, 3))
@@ -207,14 +209,6 @@ def objects() -> Dict[str, Any]:
     })
 
 
-def raised(call: Callable[[], Any]) -> List[str]:
-    try:
-        call()
-    except Exception as error:  # the test matches the type and the message
-        return [type(error).__name__, str(error)]
-    return ["none", ""]
-
-
 def errors() -> Dict[str, Any]:
     rank, world, comm = bmt.rank(), bmt.world_size(), bmt.config["comm"]
     x = torch.ones(4)
@@ -237,6 +231,15 @@ def errors() -> Dict[str, Any]:
     return found
 
 
+def on_device(case: Callable[[], Dict[str, Any]]) -> Callable[[], Dict[str, Any]]:
+    """``case`` making its tensors on this process's device: CUDA tensors over NCCL on GPUs, CPU tensors over gloo."""
+    def run_there() -> Dict[str, Any]:
+        with torch.device(current().device):
+            return case()
+    return run_there
+
+
 if __name__ == "__main__":
-    run({"communicators": communicators, "collectives": collectives, "point_to_point": point_to_point,
-         "objects": objects, "errors": errors})
+    run({name: on_device(case) for name, case in [("communicators", communicators), ("collectives", collectives),
+                                                  ("point_to_point", point_to_point), ("objects", objects),
+                                                  ("errors", errors)]})

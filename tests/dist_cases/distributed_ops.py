@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import bmtwrap as bmt
 from bmtwrap import distributed as D
-from common import run
+from common import raised, run
 
 Tensor = torch.Tensor
 LAYOUTS = ("contiguous", "transposed")
@@ -152,15 +152,6 @@ def subgroup() -> Dict[str, Any]:
                   "sum": err(D.all_reduce(x, comm=group), torch.stack(xs).sum(0)),
                   "bcast": err(sent, xs[-1]), "bcast_grad": err(g_bcast, torch.full((2, 3), n * (n + 1) / 2))}
     return {**found, **across_ranks(errors)}
-
-
-def raised(call: Callable[[], Any]) -> List[str]:
-    """[exception type, message] of what ``call`` raised; ["none", ""] when it returned."""
-    try:
-        call()
-    except Exception as error:  # the test matches the type and the message
-        return [type(error).__name__, str(error)]
-    return ["none", ""]
 
 
 def errors() -> Dict[str, Any]:
