@@ -189,7 +189,7 @@ def allGather(src: Buffer, dst: Buffer, comm: CommLike) -> None:
 
 
 def reduceScatter(src: Buffer, dst: Buffer, op: str, comm: CommLike) -> None:
-    """Rank ``r``'s ``dst`` gets chunk ``r`` of the elementwise reduction of every rank's ``src`` (``ncclReduceScatter``).
+    """Rank ``r``'s ``dst`` gets chunk ``r`` of the reduction of every rank's ``src`` (``ncclReduceScatter``).
 
     ``src`` holds at least ``size * len(dst)`` elements; its first ``size * len(dst)`` are reduced, in
     chunks of ``len(dst)``.
@@ -382,7 +382,7 @@ def _run_point_to_point(calls: List[_PointToPoint]) -> None:
 
 
 def send(src: Buffer, peer: int, comm: CommLike) -> None:
-    """Send ``src`` to rank ``peer`` of ``comm``, which calls :func:`recv` with a buffer of the same size (``ncclSend``).
+    """Send ``src`` to rank ``peer`` of ``comm``, which calls :func:`recv` with a buffer as large (``ncclSend``).
 
     Inside ``groupStart()``/``groupEnd()`` it is queued and runs at ``groupEnd()`` (see [Note: groups]).
 
