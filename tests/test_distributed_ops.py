@@ -64,12 +64,12 @@ ERRORS = [
     ("all_reduce_op", "ValueError", r"op must be one of 'sum', 'avg', 'max', 'min', 'prod', got 'mean'"),
     ("reduce_scatter_op", "ValueError", r"op must be one of 'sum', 'avg', got 'max'"),
     ("scalar", "ValueError", r"divisible by the world size {world}, got shape \(\)"),
-    ("comm_str", "TypeError", r"comm must be None .* got str; .* pass comm=None"),
-    ("comm_object", "TypeError", r"comm must be None .* got object"),
+    ("comm_str", "TypeError", r"comm must be a communicator of bmt.config .*ProcessGroup or None .* got str"),
+    ("comm_object", "TypeError", r"comm must be a communicator of bmt.config .* got object"),
     ("root", "ValueError", r"root must be a rank from 0 to {last}, got {world}"),
     ("not_tensor", "TypeError", r"x must be a torch.Tensor, got list"),
-    ("send", "NotImplementedError", r"send_activations .* pipeline parallelism is not .*torch\.distributed\.send"),
-    ("recv", "NotImplementedError", r"recv_activations .* pipeline parallelism is not .*torch\.distributed\.recv"),
+    ("send", "ValueError", r"send_activations: next_rank must be another rank of the communicator .* got {world}"),
+    ("recv", "ValueError", r"recv_activations: prev_rank must be another rank of the communicator .* got -1"),
     ("double_backward", "RuntimeError", r"differentiate twice"),
 ]
 
@@ -100,10 +100,3 @@ def test_before_init_distributed(monkeypatch, name):
     monkeypatch.setattr(bmtwrap.engine.dist, "_CONTEXT", None)  # bmtwrap as it is before init_distributed()
     with pytest.raises(RuntimeError, match=r"call bmtwrap.init_distributed\(\)"):
         BEFORE_INIT[name](torch.ones(2))
-
-
-def test_pipeline_functions_need_no_process_group():
-    with pytest.raises(NotImplementedError, match="pipeline parallelism is not supported by bmtwrap"):
-        D.send_activations(torch.ones(2), 1, None)
-    with pytest.raises(NotImplementedError, match="pipeline parallelism is not supported by bmtwrap"):
-        D.recv_activations(0, None)

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The public modules; bmtwrap.hf only once it exists.
 PUBLIC_MODULES = ["bmtwrap", "bmtwrap.optim", "bmtwrap.lr_scheduler", "bmtwrap.loss", "bmtwrap.wrap",
                   "bmtwrap.checkpoint", "bmtwrap.hf", "bmtwrap.hf_trl", "bmtwrap.bmtrain.nn",
-                  "bmtwrap.bmtrain.distributed", "bmtwrap.bmtrain.utils", "bmtwrap.bmtrain.debug",
+                  "bmtwrap.bmtrain.distributed", "bmtwrap.bmtrain.nccl", "bmtwrap.bmtrain.comm", "bmtwrap.bmtrain.utils", "bmtwrap.bmtrain.debug",
                   "bmtwrap.bmtrain.zero_context", "bmtwrap.bmtrain.compat", "bmtwrap.data"]
 # Public through a return value rather than an __all__: init_distributed() returns it.
 ALSO_PUBLIC = [("bmtwrap.engine.dist", "DistContext")]

@@ -24,6 +24,10 @@ def test_layout(hybrid):
     assert r["layout_shards"] == [shards], "flat buffers are laid out over the shard group"
     # [global rank, shard rank, BMTrain's zero_rank, bmt.rank(), bmt.world_size()]
     assert r["ranks"] == [[rank, rank % shards, rank % shards, rank, 4] for rank in range(4)]
+    # bmt.config["zero_comm"]: [its ranks, this rank's place, an allReduce of rank + 1 over it]
+    groups = [list(range(rank - rank % shards, rank - rank % shards + shards)) for rank in range(4)]
+    assert r["zero_comm"] == [[group, rank % shards, float(sum(q + 1 for q in group))]
+                              for rank, group in enumerate(groups)]
 
 
 @pytest.mark.parametrize("name", ["replicas_torch", "replicas_adam", "replicas_offload",

@@ -58,6 +58,8 @@ _EXTRA: Mapping[str, Mapping[str, str]] = MappingProxyType({
     "bmtrain.synchronize": {"gather_result": "bmtwrap.bmtrain.distributed"},
     "bmtrain.parameter": {"ParameterInitializer": "bmtwrap.bmtrain.initializer"},
     "bmtrain.utils": {"print_rank": "bmtwrap.engine.dist"},
+    "bmtrain.store": {"allgather_object": "bmtwrap.bmtrain.distributed",
+                      "broadcast_object": "bmtwrap.bmtrain.distributed"},
     "bmtrain.wrapper": {"BMTrainModelWrapper": "bmtwrap"},
     "bmtrain.loss._function": {"has_inf_nan": "bmtwrap.bmtrain.compat",
                                "has_inf_nan_bf16": "bmtwrap.bmtrain.compat"},

@@ -13,12 +13,14 @@ from typing import Any, Callable, Dict, Iterator
 import torch
 
 from ..engine import dist as _dist
+from . import comm as _comm
 
 __all__ = ["ConfigView", "config"]
 
 # BMTrain's keys that bmtwrap answers, and how, from the context. Without pipeline or tensor
 # parallelism the ZeRO group is the shard group (every rank, unless init_distributed(shard_size=...) made groups of
-# fewer): the zero rank is the rank in it; pipe/tp sizes are 1.
+# fewer): the zero rank is the rank in it; pipe/tp sizes are 1. The communicators (comm, zero_comm, tp_comm, ...)
+# and the topology are made on each lookup from the context (see bmtrain/comm.py): equal communicators compare equal.
 _KEYS: Dict[str, Callable[[_dist.DistContext], Any]] = {
     "initialized": lambda ctx: True,
     "rank": lambda ctx: ctx.rank,
@@ -32,7 +34,11 @@ _KEYS: Dict[str, Callable[[_dist.DistContext], Any]] = {
     "tp_size": lambda ctx: 1,
     "tp_rank": lambda ctx: 0,
     "tp_zero_rank": lambda ctx: ctx.shard_rank,
+    "zero_size": lambda ctx: ctx.shard_size,
+    "tp_zero_size": lambda ctx: ctx.shard_size,
     "seed": lambda ctx: ctx.seed,
+    "topology": lambda ctx: _comm.current_topology(),
+    **{key: (lambda ctx, key=key: _comm.config_communicator(key)) for key in _comm.CONFIG_COMMS},
 }
 
 # BMTrain's streams, on a GPU. BMTrain programs order their own work against the parameters' loads with
@@ -48,9 +54,6 @@ _STREAMS: Dict[str, Callable[[_dist.DistContext], Any]] = {
 
 # BMTrain's keys with no meaning here, and why.
 _ABSENT: Dict[str, str] = {
-    "comm": "bmtwrap has no NCCL communicator of its own; collectives run on torch.distributed's default group",
-    "topology": "bmtwrap has no pipeline or tensor parallelism, hence no topology; ZeRO groups are "
-                "init_distributed(shard_size=...)'s",
     "load_event": "bmtwrap keeps no event of BMTrain's; call bmt.wait_loader() to wait for the loads",
     "barrier_stream": "bmtwrap does not keep BMTrain's streams; use bmt.synchronize()",
     "local_size": "bmtwrap does not record the number of processes per host",
@@ -66,14 +69,18 @@ class ConfigView(Mapping):
     Every lookup reads the context made by :func:`bmtwrap.init_distributed`. Keys: ``initialized``,
     ``rank``, ``world_size``, ``local_rank``, ``zero_level``, ``zero_rank``, ``pipe_size`` (1),
     ``pipe_enabled`` (False), ``pipe_rank`` (0), ``tp_size`` (1), ``tp_rank`` (0),
-    ``tp_zero_rank``, ``seed``; on a GPU also ``load_stream`` (the engine's stream of copies to the
+    ``tp_zero_rank``, ``zero_size``, ``tp_zero_size``, ``seed``, ``topology`` (a
+    :class:`~bmtwrap.bmtrain.comm.Topology`), the communicators ``comm`` (every rank), ``zero_comm``,
+    ``tp_zero_comm``, ``pp_zero_comm``, ``pp_tp_zero_comm`` (the ranks parameters are sharded over),
+    ``tp_comm`` and ``pipe_comm`` (this rank alone) (each a :class:`~bmtwrap.bmtrain.comm.Communicator`);
+    on a GPU also ``load_stream`` (the engine's stream of copies to the
     device: waiting for it waits for the parameters it loads) and ``calc_stream`` (the device's
     default stream, where the model computes).
 
     Raises:
         RuntimeError: on lookup before :func:`bmtwrap.init_distributed`.
-        KeyError: a key bmtwrap does not have; the message says why (``comm``, ``topology``, the
-            streams of a process on the CPU) or that BMTrain has no such key.
+        KeyError: a key bmtwrap does not have; the message says why (``load_event``, the streams of a
+            process on the CPU) or that BMTrain has no such key.
         TypeError: on assignment (the settings are arguments of ``init_distributed``).
 
     Example::

@@ -5,18 +5,21 @@ BMTrain 1.0.1 offers :func:`all_gather`, :func:`all_reduce`, :func:`reduce_scatt
 the gradient back across ranks the way the chain rule asks (an all-gather's gradient is this rank's
 slice; a broadcast's is the sum of every rank's gradient). They are for model code written by hand,
 such as a loss computed over the whole job; the engine's own gathers and reductions live in
-:mod:`bmtwrap.engine.collectives` and are not autograd-aware.
+:mod:`bmtwrap.engine.collectives` and are not autograd-aware. Beside them: BMTrain's pipeline hand-over
+(:func:`send_activations`, :func:`recv_activations`) and its object collectives (:func:`allgather_object`,
+:func:`broadcast_object`, which BMTrain keeps in ``bmtrain.store``).
 
 Every function here must be called by every rank of the group, in the same order, with tensors of
 the same shape and dtype on every rank. CUDA tensors go through NCCL, CPU tensors through gloo; a
 world of one copies locally.
 
 [Note: comm]
-BMTrain's ``comm`` argument takes one of its own NCCL communicators, which bmtwrap does not have
-(``bmt.config["comm"]`` raises). Here ``comm`` is either ``None``, the whole job's group
-(:attr:`bmtwrap.engine.dist.DistContext.group`), or a ``torch.distributed.ProcessGroup`` (for example made
-by ``torch.distributed.new_group``), in which case ranks, the world size and ``broadcast``'s
-``root`` are counted within that group. Anything else raises ``TypeError``.
+BMTrain's ``comm`` argument takes one of its communicators (``bmt.config["comm"]``, ``["zero_comm"]``,
+``["tp_comm"]``, ...). Here ``comm`` is such a :class:`~bmtwrap.bmtrain.comm.Communicator`, ``None``
+(every rank, ``bmt.config["comm"]``), or a ``torch.distributed.ProcessGroup`` (for example made by
+``torch.distributed.new_group``); ranks, the world size and ``broadcast``'s ``root`` are counted within
+that group. A communicator of one rank (``tp_comm``, ``pipe_comm``) runs locally. Anything else raises
+``TypeError``.
 
 [Note: averages]
 NCCL averages inside the collective. gloo has no AVG, so for CPU tensors the sum is divided by the
@@ -30,7 +33,7 @@ through it twice (``create_graph=True`` and a second backward) raises torch's ``
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Any, Mapping, NamedTuple, NoReturn, Optional, Tuple
+from typing import Any, List, Mapping, Tuple
 
 import torch
 import torch.distributed as dist
@@ -38,9 +41,10 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from ..engine import dist as _dist
 from ..engine.collectives import all_gather_single, reduce_scatter_single
+from .comm import CommLike, Communicator, as_communicator
 
-__all__ = ["all_gather", "all_reduce", "broadcast", "gather_result", "recv_activations", "reduce_scatter",
-           "send_activations"]
+__all__ = ["all_gather", "all_gather_object", "all_reduce", "allgather_object", "broadcast", "broadcast_object",
+           "gather_result", "recv_activations", "reduce_scatter", "send_activations"]
 
 _ALL_REDUCE_OPS = ("sum", "avg", "max", "min", "prod")  # BMTrain's names
 _REDUCE_SCATTER_OPS = ("sum", "avg")
@@ -49,31 +53,9 @@ _TORCH_OP: Mapping[str, dist.ReduceOp] = MappingProxyType({
 })  # "sum" and "avg": see _sum_op and [Note: averages]
 
 
-class _Comm(NamedTuple):
-    """The group a call runs on, with this rank's place in it."""
-
-    group: dist.ProcessGroup
-    rank: int
-    world_size: int
-
-
-def _resolve(comm: Optional[dist.ProcessGroup], caller: str) -> _Comm:
-    """``comm`` as a :class:`_Comm` (see [Note: comm]); raises RuntimeError before init_distributed."""
-    ctx = _dist.current()
-    if comm is None:
-        return _Comm(ctx.group, ctx.rank, ctx.world_size)
-    if isinstance(comm, int) and comm == dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(
-            f"bmt.distributed.{caller}: this rank ({ctx.rank}) is not a member of the group passed as comm; "
-            "call the collective only on the ranks that torch.distributed.new_group(ranks) was given"
-        )
-    if not isinstance(comm, dist.ProcessGroup):
-        raise TypeError(
-            f"bmt.distributed.{caller}: comm must be None (the whole job's group) or a "
-            f"torch.distributed.ProcessGroup, got {type(comm).__name__}; BMTrain's NCCL communicators "
-            "do not exist in bmtwrap, so pass comm=None"
-        )
-    return _Comm(comm, dist.get_rank(comm), dist.get_world_size(comm))
+def _resolve(comm: CommLike, caller: str) -> Communicator:
+    """``comm`` as a :class:`Communicator` (see [Note: comm]); raises RuntimeError before init_distributed."""
+    return as_communicator(comm, f"bmt.distributed.{caller}")
 
 
 def _check_tensor(x: Any, caller: str, name: str = "x") -> None:
@@ -91,7 +73,7 @@ def _copy(x: torch.Tensor) -> torch.Tensor:
     return x.clone(memory_format=torch.contiguous_format)
 
 
-def _sum_op(op: str, x: torch.Tensor, comm: _Comm) -> Tuple[dist.ReduceOp, int]:
+def _sum_op(op: str, x: torch.Tensor, comm: Communicator) -> Tuple[dist.ReduceOp, int]:
     """The torch op for ``op`` ("sum" or "avg") on ``x``, and what to divide its result by after."""
     if op == "sum":
         return dist.ReduceOp.SUM, 1
@@ -109,7 +91,7 @@ def _divide(x: torch.Tensor, divisor: int) -> torch.Tensor:
     return x
 
 
-def _all_reduce_(x: torch.Tensor, op: str, comm: _Comm) -> torch.Tensor:
+def _all_reduce_(x: torch.Tensor, op: str, comm: Communicator) -> torch.Tensor:
     """Reduce the contiguous ``x`` over ``comm`` in place and return it."""
     if comm.world_size == 1:
         return x
@@ -121,7 +103,7 @@ def _all_reduce_(x: torch.Tensor, op: str, comm: _Comm) -> torch.Tensor:
     return x
 
 
-def _gather(x: torch.Tensor, comm: _Comm) -> torch.Tensor:
+def _gather(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """Every rank's ``x`` stacked in rank order: shape ``(world_size, *x.shape)``."""
     x = x.contiguous()
     out = x.new_empty((comm.world_size, *x.shape))
@@ -135,7 +117,7 @@ def _gather(x: torch.Tensor, comm: _Comm) -> torch.Tensor:
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: torch.Tensor, comm: _Comm) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
         ctx.rank = comm.rank
         return _gather(x, comm)
 
@@ -147,7 +129,7 @@ class _AllGather(torch.autograd.Function):
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: torch.Tensor, op: str, comm: _Comm) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, x: torch.Tensor, op: str, comm: Communicator) -> torch.Tensor:
         out = _all_reduce_(_copy(x), op, comm)
         ctx.op, ctx.world_size = op, comm.world_size
         if ctx.needs_input_grad[0] and op in ("max", "min"):
@@ -171,7 +153,7 @@ class _AllReduce(torch.autograd.Function):
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: torch.Tensor, op: str, comm: _Comm) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, x: torch.Tensor, op: str, comm: Communicator) -> torch.Tensor:
         x = x.contiguous()
         out = x.new_empty((x.shape[0] // comm.world_size, *x.shape[1:]))
         ctx.op, ctx.comm = op, comm
@@ -192,7 +174,7 @@ class _ReduceScatter(torch.autograd.Function):
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, src: torch.Tensor, root: int, comm: _Comm) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, src: torch.Tensor, root: int, comm: Communicator) -> torch.Tensor:
         out = _copy(src)
         ctx.comm = comm
         if comm.world_size > 1:
@@ -205,13 +187,13 @@ class _Broadcast(torch.autograd.Function):
         return _all_reduce_(_copy(grad), "sum", ctx.comm), None, None
 
 
-def all_gather(x: torch.Tensor, comm: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+def all_gather(x: torch.Tensor, comm: CommLike = None) -> torch.Tensor:
     """Every rank's ``x``, stacked in rank order; differentiable.
 
     Args:
         x: this rank's tensor; the same shape and dtype on every rank. May be non-contiguous.
-        comm: ``None`` for the whole job's group, or a ``torch.distributed.ProcessGroup`` this
-            rank belongs to (see [Note: comm] in this module).
+        comm: a communicator of ``bmt.config`` (``bmt.config["zero_comm"]``, ...), ``None`` for every
+            rank, or a ``torch.distributed.ProcessGroup`` this rank belongs to (see [Note: comm] in this module).
 
     Returns:
         A new tensor of shape ``(world_size, *x.shape)`` whose ``[r]`` is rank ``r``'s ``x``. In
@@ -220,7 +202,7 @@ def all_gather(x: torch.Tensor, comm: Optional[dist.ProcessGroup] = None) -> tor
 
     Raises:
         RuntimeError: before :func:`bmtwrap.init_distributed`.
-        TypeError: ``x`` is not a tensor, or ``comm`` is neither ``None`` nor a ProcessGroup.
+        TypeError: ``x`` is not a tensor, or ``comm`` is not a communicator, ``None`` or a ProcessGroup.
         ValueError: ``comm`` is a group this rank is not a member of.
 
     Example::
@@ -232,14 +214,14 @@ def all_gather(x: torch.Tensor, comm: Optional[dist.ProcessGroup] = None) -> tor
     return _AllGather.apply(x, c)
 
 
-def all_reduce(x: torch.Tensor, op: str = "sum", comm: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, op: str = "sum", comm: CommLike = None) -> torch.Tensor:
     """The elementwise reduction of every rank's ``x``; differentiable. ``x`` itself is left untouched.
 
     Args:
         x: this rank's tensor; the same shape and dtype on every rank. May be non-contiguous.
         op: ``"sum"`` (default), ``"avg"``, ``"max"``, ``"min"`` or ``"prod"``.
-        comm: ``None`` for the whole job's group, or a ``torch.distributed.ProcessGroup`` this
-            rank belongs to (see [Note: comm] in this module).
+        comm: a communicator of ``bmt.config`` (``bmt.config["zero_comm"]``, ...), ``None`` for every
+            rank, or a ``torch.distributed.ProcessGroup`` this rank belongs to (see [Note: comm] in this module).
 
     Returns:
         A new tensor of ``x``'s shape, the same on every rank. Its backward gives ``x``:
@@ -250,7 +232,7 @@ def all_reduce(x: torch.Tensor, op: str = "sum", comm: Optional[dist.ProcessGrou
 
     Raises:
         RuntimeError: before :func:`bmtwrap.init_distributed`.
-        TypeError: ``x`` is not a tensor, or ``comm`` is neither ``None`` nor a ProcessGroup.
+        TypeError: ``x`` is not a tensor, or ``comm`` is not a communicator, ``None`` or a ProcessGroup.
         ValueError: ``op`` is not one of the five above; ``comm`` is a group this rank is not in.
 
     Example::
@@ -264,15 +246,15 @@ def all_reduce(x: torch.Tensor, op: str = "sum", comm: Optional[dist.ProcessGrou
     return _AllReduce.apply(x, op, c)
 
 
-def reduce_scatter(x: torch.Tensor, op: str = "sum", comm: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, op: str = "sum", comm: CommLike = None) -> torch.Tensor:
     """This rank's chunk (along dim 0) of the reduction of every rank's ``x``; differentiable.
 
     Args:
         x: this rank's tensor, at least 1-D, with ``x.shape[0]`` divisible by the world size; the
             same shape and dtype on every rank. May be non-contiguous.
         op: ``"sum"`` (default) or ``"avg"``.
-        comm: ``None`` for the whole job's group, or a ``torch.distributed.ProcessGroup`` this
-            rank belongs to (see [Note: comm] in this module).
+        comm: a communicator of ``bmt.config`` (``bmt.config["zero_comm"]``, ...), ``None`` for every
+            rank, or a ``torch.distributed.ProcessGroup`` this rank belongs to (see [Note: comm] in this module).
 
     Returns:
         A new tensor of shape ``(x.shape[0] // world_size, *x.shape[1:])``: rows
@@ -282,7 +264,7 @@ def reduce_scatter(x: torch.Tensor, op: str = "sum", comm: Optional[dist.Process
 
     Raises:
         RuntimeError: before :func:`bmtwrap.init_distributed`.
-        TypeError: ``x`` is not a tensor, or ``comm`` is neither ``None`` nor a ProcessGroup.
+        TypeError: ``x`` is not a tensor, or ``comm`` is not a communicator, ``None`` or a ProcessGroup.
         ValueError: ``op`` is not ``"sum"`` or ``"avg"``; ``x`` is 0-dimensional or its first
             size is not divisible by the world size; ``comm`` is a group this rank is not in.
 
@@ -301,15 +283,15 @@ def reduce_scatter(x: torch.Tensor, op: str = "sum", comm: Optional[dist.Process
     return _ReduceScatter.apply(x, op, c)
 
 
-def broadcast(src: torch.Tensor, root: int, comm: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+def broadcast(src: torch.Tensor, root: int, comm: CommLike = None) -> torch.Tensor:
     """Rank ``root``'s ``src``, on every rank; differentiable.
 
     Args:
         src: the tensor to send on ``root``; on the other ranks a tensor of the same shape and
             dtype, whose values are ignored. May be non-contiguous.
         root: the sending rank, counted within ``comm``'s group.
-        comm: ``None`` for the whole job's group, or a ``torch.distributed.ProcessGroup`` this
-            rank belongs to (see [Note: comm] in this module).
+        comm: a communicator of ``bmt.config`` (``bmt.config["zero_comm"]``, ...), ``None`` for every
+            rank, or a ``torch.distributed.ProcessGroup`` this rank belongs to (see [Note: comm] in this module).
 
     Returns:
         A new tensor equal to ``root``'s ``src``. In backward, every rank's incoming gradient is
@@ -318,7 +300,7 @@ def broadcast(src: torch.Tensor, root: int, comm: Optional[dist.ProcessGroup] = 
 
     Raises:
         RuntimeError: before :func:`bmtwrap.init_distributed`.
-        TypeError: ``src`` is not a tensor, or ``comm`` is neither ``None`` nor a ProcessGroup.
+        TypeError: ``src`` is not a tensor, or ``comm`` is not a communicator, ``None`` or a ProcessGroup.
         ValueError: ``root`` is not a rank of the group; ``comm`` is a group this rank is not in.
 
     Example::
@@ -332,49 +314,143 @@ def broadcast(src: torch.Tensor, root: int, comm: Optional[dist.ProcessGroup] = 
     return _Broadcast.apply(src, root, c)
 
 
-def _no_pipeline(name: str) -> NoReturn:
-    raise NotImplementedError(
-        f"bmt.distributed.{name} is not available: pipeline parallelism is not supported by bmtwrap. "
-        "Train in one process group without a pipeline (bmtwrap shards parameters over all ranks), "
-        "or exchange tensors yourself with torch.distributed.send / torch.distributed.recv"
-    )
+# BMTrain's order of the dtypes an activation may have; the receiver learns a tensor's dtype by its index here.
+_ACTIVATION_DTYPES = (torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
+                      torch.int8, torch.bfloat16, torch.bool)
+_META_LENGTH = 50  # (number of dimensions, dtype index, *shape), padded: up to 48 dimensions
 
 
-def send_activations(hidden_state: torch.Tensor, next_rank: int, comm: Any) -> NoReturn:
-    """BMTrain's pipeline send; raises ``NotImplementedError`` (bmtwrap has no pipeline parallelism).
+def _peer(comm: Communicator, peer: Any, caller: str, name: str) -> int:
+    """``peer`` checked as another rank of ``comm``; its global rank."""
+    if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < comm.size or peer == comm.rank:
+        raise ValueError(
+            f"bmt.distributed.{caller}: {name} must be another rank of the communicator (0 to {comm.size - 1}, "
+            f"not this rank {comm.rank}), got {peer!r}; ranks are counted within comm, e.g. "
+            "bmt.config['pipe_comm']")
+    return comm.global_rank(peer)
+
+
+def send_activations(hidden_state: torch.Tensor, next_rank: int, comm: CommLike) -> None:
+    """Send ``hidden_state`` to rank ``next_rank`` of ``comm``, which receives it with :func:`recv_activations`.
+
+    BMTrain's pipeline hand-over: the receiver learns the shape and dtype from a small message sent
+    first, so it needs to know neither. Blocks until the receiver has taken both messages (gloo) or
+    they are queued on the current stream (NCCL).
 
     Args:
-        hidden_state: ignored.
-        next_rank: ignored.
-        comm: ignored.
+        hidden_state: the tensor to send, of one of BMTrain's dtypes (float64/32/16, bfloat16,
+            int64/32/16/8, bool) and at most 48 dimensions. May be non-contiguous.
+        next_rank: the receiving rank, counted within ``comm``.
+        comm: a communicator of ``bmt.config``, ``None`` (every rank) or a ProcessGroup.
 
     Raises:
-        NotImplementedError: always; the message names ``torch.distributed.send`` and training
-            without a pipeline as the replacements.
+        TypeError: ``hidden_state`` is not a tensor, has another dtype, or ``comm`` is not a communicator.
+        ValueError: ``next_rank`` is not another rank of ``comm``; more than 48 dimensions.
 
     Example::
 
-        torch.distributed.send(hidden_state.contiguous(), dst=next_rank)  # instead
+        if bmt.rank() == 0:
+            bmt.distributed.send_activations(hidden, 1, bmt.config["comm"])
+        else:
+            hidden = bmt.distributed.recv_activations(0, bmt.config["comm"])
     """
-    _no_pipeline("send_activations")
+    c = _resolve(comm, "send_activations")
+    _check_tensor(hidden_state, "send_activations", "hidden_state")
+    dst = _peer(c, next_rank, "send_activations", "next_rank")
+    if hidden_state.dtype not in _ACTIVATION_DTYPES or hidden_state.dim() > _META_LENGTH - 2:
+        raise (TypeError if hidden_state.dim() <= _META_LENGTH - 2 else ValueError)(
+            f"bmt.distributed.send_activations: hidden_state must have one of the dtypes "
+            f"{', '.join(map(str, _ACTIVATION_DTYPES))} and at most {_META_LENGTH - 2} dimensions, got "
+            f"{hidden_state.dtype} with {hidden_state.dim()}")
+    meta = torch.zeros(_META_LENGTH, dtype=torch.int64, device=hidden_state.device)
+    shape = [hidden_state.dim(), _ACTIVATION_DTYPES.index(hidden_state.dtype), *hidden_state.shape]
+    meta[:len(shape)] = torch.tensor(shape, dtype=torch.int64)
+    dist.send(meta, dst=dst, group=c.group)
+    dist.send(hidden_state.contiguous(), dst=dst, group=c.group)
 
 
-def recv_activations(prev_rank: int, comm: Any) -> NoReturn:
-    """BMTrain's pipeline receive; raises ``NotImplementedError`` (bmtwrap has no pipeline parallelism).
+def recv_activations(prev_rank: int, comm: CommLike) -> torch.Tensor:
+    """The tensor rank ``prev_rank`` of ``comm`` sends with :func:`send_activations`, on this process's device.
 
     Args:
-        prev_rank: ignored.
-        comm: ignored.
+        prev_rank: the sending rank, counted within ``comm``.
+        comm: a communicator of ``bmt.config``, ``None`` (every rank) or a ProcessGroup.
+
+    Returns:
+        A new tensor of the sender's shape and dtype, on the device bmtwrap runs on (the GPU, or the CPU).
 
     Raises:
-        NotImplementedError: always; the message names ``torch.distributed.recv`` and training
-            without a pipeline as the replacements.
+        TypeError: ``comm`` is not a communicator, ``None`` or a ProcessGroup.
+        ValueError: ``prev_rank`` is not another rank of ``comm``.
 
     Example::
 
-        torch.distributed.recv(buffer, src=prev_rank)  # instead, into a buffer of known shape
+        hidden = bmt.distributed.recv_activations(stage - 1, bmt.config["pipe_comm"])
     """
-    _no_pipeline("recv_activations")
+    c = _resolve(comm, "recv_activations")
+    src = _peer(c, prev_rank, "recv_activations", "prev_rank")
+    device = _dist.current().device
+    meta = torch.zeros(_META_LENGTH, dtype=torch.int64, device=device)
+    dist.recv(meta, src=src, group=c.group)
+    ndim, dtype, *shape = meta.tolist()
+    hidden_state = torch.empty(shape[:ndim], dtype=_ACTIVATION_DTYPES[dtype], device=device)
+    dist.recv(hidden_state, src=src, group=c.group)
+    return hidden_state
+
+
+def allgather_object(obj: Any, comm: CommLike = None) -> List[Any]:
+    """Every rank's ``obj`` (any picklable object), in rank order (BMTrain's ``bmtrain.store.allgather_object``).
+
+    Args:
+        obj: this rank's object.
+        comm: a communicator of ``bmt.config``, ``None`` (every rank) or a ProcessGroup.
+
+    Returns:
+        A list with one object per rank of ``comm``, the same on every rank.
+
+    Raises:
+        TypeError: ``comm`` is not a communicator, ``None`` or a ProcessGroup.
+
+    Example::
+
+        assert bmt.distributed.allgather_object(bmt.rank(), bmt.config["comm"]) == list(range(bmt.world_size()))
+    """
+    c = _resolve(comm, "allgather_object")
+    if c.size == 1:
+        return [obj]
+    gathered: List[Any] = [None] * c.size
+    dist.all_gather_object(gathered, obj, group=c.group)
+    return gathered
+
+
+all_gather_object = allgather_object
+"""torch.distributed's spelling of :func:`allgather_object` (the same function)."""
+
+
+def broadcast_object(obj: Any, comm: CommLike = None, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` (any picklable object), on every rank (BMTrain's ``bmtrain.store.broadcast_object``).
+
+    Args:
+        obj: the object to send on ``src``; ignored on the other ranks.
+        comm: a communicator of ``bmt.config``, ``None`` (every rank) or a ProcessGroup.
+        src: the sending rank, counted within ``comm``.
+
+    Raises:
+        TypeError: ``comm`` is not a communicator, ``None`` or a ProcessGroup.
+        ValueError: ``src`` is not a rank of ``comm``.
+
+    Example::
+
+        settings = bmt.distributed.broadcast_object(settings if bmt.rank() == 0 else None, bmt.config["comm"])
+    """
+    c = _resolve(comm, "broadcast_object")
+    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < c.size:
+        raise ValueError(f"bmt.distributed.broadcast_object: src must be a rank from 0 to {c.size - 1}, got {src!r}")
+    if c.size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=c.global_rank(src), group=c.group)
+    return box[0]
 
 
 def gather_result(result: torch.Tensor) -> torch.Tensor:

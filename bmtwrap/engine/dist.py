@@ -103,7 +103,8 @@ class DistContext:
     shard_size: int = 0  # 0: world_size (set in __post_init__)
     # What the engine's collectives moved: {operation: [calls, bytes each rank sent]} (see collectives.traffic).
     traffic: Dict[str, List[float]] = field(default_factory=dict, repr=False)
-    # The sub-groups of a hybrid layout (None where the world group or no group serves): see shard_group.
+    # The sub-groups of a hybrid layout (None where the world group or no group serves): see shard_group; and
+    # "self", this rank alone, made on first use for BMTrain's communicators of one rank (bmtrain/comm.py).
     subgroups: Dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import traceback
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, List
 
 import torch
 
@@ -27,6 +27,15 @@ def run(cases: Dict[str, Callable[[], Dict[str, Any]]]) -> None:
             json.dump(results, f, indent=1)
     # Leaving gloo's threads to interpreter shutdown can abort a process on exit.
     torch.distributed.destroy_process_group()
+
+
+def raised(call: Callable[[], Any]) -> List[str]:
+    """[exception type, message] of what ``call`` raised, for a test to match; ["none", ""] when it returned."""
+    try:
+        call()
+    except Exception as error:  # reported, not handled: the test matches the type and the message
+        return [type(error).__name__, str(error)]
+    return ["none", ""]
 
 
 def max_rel(a: float, b: float) -> float:

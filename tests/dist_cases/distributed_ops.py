@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import bmtwrap as bmt
 from bmtwrap import distributed as D
-from common import run
+from common import raised, run
 
 Tensor = torch.Tensor
 LAYOUTS = ("contiguous", "transposed")
@@ -154,15 +154,6 @@ def subgroup() -> Dict[str, Any]:
     return {**found, **across_ranks(errors)}
 
 
-def raised(call: Callable[[], Any]) -> List[str]:
-    """[exception type, message] of what ``call`` raised; ["none", ""] when it returned."""
-    try:
-        call()
-    except Exception as error:  # the test matches the type and the message
-        return [type(error).__name__, str(error)]
-    return ["none", ""]
-
-
 def errors() -> Dict[str, Any]:
     world = bmt.world_size()
     x = torch.ones(2 * world, 2)
@@ -174,8 +165,8 @@ def errors() -> Dict[str, Any]:
         "comm_object": raised(lambda: D.all_reduce(x, comm=object())),
         "root": raised(lambda: D.broadcast(x, world)),
         "not_tensor": raised(lambda: D.all_gather([1.0, 2.0])),
-        "send": raised(lambda: D.send_activations(x, 1, None)),
-        "recv": raised(lambda: D.recv_activations(0, None)),
+        "send": raised(lambda: D.send_activations(x, world, None)),
+        "recv": raised(lambda: D.recv_activations(-1, None)),
         "double_backward": raised(lambda: double_backward(x)),
     }
     if world > 1:

@@ -31,7 +31,10 @@ def topology() -> Dict[str, Any]:
     ctx = bmt.init_distributed()
     model = ShardedGPT()
     layouts = {buffer.layout.world_size for buffer in flat_buffers(model)}
-    return {"world": ctx.world_size, "shard_size": ctx.shard_size, "replicas": ctx.replicas,
+    zero = bmt.config["zero_comm"]
+    total = torch.tensor([ctx.rank + 1.0])
+    bmt.nccl.allReduce(total.storage(), total.storage(), "sum", zero)  # BMTrain's ZeRO group: the shard group
+    return {"zero_comm": every_rank([list(zero.ranks), zero.rank, total.item()]),"world": ctx.world_size, "shard_size": ctx.shard_size, "replicas": ctx.replicas,
             "ranks": every_rank([ctx.rank, ctx.shard_rank, bmt.config["zero_rank"], bmt.rank(), bmt.world_size()]),
             "layout_shards": sorted(layouts)}
 
