@@ -15,9 +15,16 @@ the mixin, which shards that prepared model; what TRL does after (its fused LM h
 ``lm_head.weight`` inside the model's forward, where bmtwrap has gathered it) runs on the sharded
 model. So:
 
-- ``gradient_checkpointing`` (on by default in TRL's configs) becomes ``wrap(checkpoint=True)``,
-  as with :class:`bmtwrap.hf.Trainer`; TRL's ``disable_gradient_checkpointing`` around the
-  reference forward then finds Hugging Face's checkpointing off and leaves it so.
+- ``gradient_checkpointing`` (on by default in TRL's configs) is switched off on the arguments, so
+  Hugging Face's checkpointing stays off inside bmtwrap's blocks (TRL's
+  ``disable_gradient_checkpointing`` around the reference forward finds it off and leaves it so),
+  and becomes bmtwrap's: for :class:`SFTTrainer`, ``wrap(checkpoint="auto")``, which recomputes the
+  blocks whose activations do not fit the card and keeps the rest. TRL turns the flag on for every
+  user to save memory, and ``"auto"`` saves what the card needs, no more (on 2 GPUs at 8B, 2 x 4096
+  tokens each, on H200s, 1.28x faster than recomputing every block: ``benchmarks/RESULTS.md``);
+  ``wrap_options={"checkpoint": True}`` recomputes every block. For :class:`DPOTrainer` and
+  :func:`sharded` trainers it is ``wrap(checkpoint=True)``, as with :class:`bmtwrap.hf.Trainer`:
+  their second model (DPO's reference) is sharded after the trained model's blocks are planned.
 - DPO's reference model, yours (``ref_model=``) or the one TRL loads from the model's name, reaches
   the accelerator unwrapped, through ``accelerator.prepare_model(ref, evaluation_mode=True)``:
   it is sharded there like the trained model (without checkpointing), frozen and in eval mode.
@@ -105,7 +112,9 @@ class SFTTrainer(trl.SFTTrainer, ShardedTrainerMixin):
 
     Args:
         *args: ``trl.SFTTrainer``'s arguments by position (``model``, ``args``, ...).
-        wrap_options: keyword arguments for :func:`bmtwrap.wrap`, as for :class:`bmtwrap.hf.Trainer`.
+        wrap_options: keyword arguments for :func:`bmtwrap.wrap`, as for :class:`bmtwrap.hf.Trainer`,
+            except that ``checkpoint`` is ``"auto"`` unless given, also under TRL's default
+            ``gradient_checkpointing=True`` (see [Note: TRL on a sharded model]).
         offload: the optimizer's choice, as for :class:`bmtwrap.hf.Trainer`.
         **kwargs: ``trl.SFTTrainer``'s arguments by name (``train_dataset``, ``peft_config``, ...).
 
@@ -126,6 +135,8 @@ class SFTTrainer(trl.SFTTrainer, ShardedTrainerMixin):
 
     def __init__(self, *args: Any, wrap_options: Optional[Dict[str, Any]] = None,
                  offload: Union[bool, str] = "auto", **kwargs: Any) -> None:
+        if wrap_options is None or isinstance(wrap_options, dict):  # anything else is refused by the mixin
+            wrap_options = {"checkpoint": "auto", **(wrap_options or {})}
         _set_sharding_options(self, (*args, *kwargs.values()), wrap_options, offload)
         super().__init__(*args, **kwargs)
 

@@ -77,6 +77,8 @@ def test_model_is_sharded_with_bmtwraps_checkpointing(runs, name):
     r = _case(runs, name)
     assert r["sharded"], "the trained model is not wrapped by bmtwrap"
     assert not r["hf_checkpointing"], "TRL's gradient_checkpointing=True turned Hugging Face's on inside the blocks"
+    # TRL's default gradient_checkpointing=True: SFT keeps the blocks that fit, DPO (a second model) recomputes all.
+    assert r["checkpoint"] == ("auto" if name.startswith("sft") else True), r["checkpoint"]
 
 
 def test_dpo_reference_model_is_sharded_frozen_in_eval_mode(runs):

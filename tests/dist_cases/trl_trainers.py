@@ -177,7 +177,9 @@ def scenario(name: str) -> Callable[[], Dict[str, Any]]:
             torch.save({k: v.cpu() for k, v in full.items()}, WORK / f"{name}.bmt.pt")
         TRAINED[name] = trainer
         ref = getattr(trainer, "ref_model", None)
-        return {"losses": losses(trainer), "sharded": wrapped_record(trainer.model) is not None,
+        record = wrapped_record(trainer.model)
+        return {"losses": losses(trainer), "sharded": record is not None,
+                "checkpoint": record.options.checkpoint if record is not None else None,
                 "hf_checkpointing": any(getattr(m, "gradient_checkpointing", False) for m in trainer.model.modules()),
                 "ref_sharded": ref is not None and wrapped_record(ref) is not None,
                 "ref_frozen": ref is not None and not any(p.requires_grad for p in ref.parameters()),
@@ -188,12 +190,12 @@ def scenario(name: str) -> Callable[[], Dict[str, Any]]:
 
 def resume() -> Dict[str, Any]:
     """A fresh SFTTrainer, from other initial weights, resuming the sft case's checkpoint-2 to step 4; made by
-    bmtwrap.hf.sharded (the same class as bmtwrap.hf.SFTTrainer, wrap_options stating wrap's choice here)."""
+    bmtwrap.hf.sharded (the same class as bmtwrap.hf.SFTTrainer, wrap_options stating SFTTrainer's choice)."""
     import trl
 
     args = SFTConfig(**common("sft_resumed", bmt.world_size(), save_steps=2))
     trainer = sharded(trl.SFTTrainer)(model=make_model(seed=1), args=args, train_dataset=SFT_DATA,
-                                      processing_class=tokenizer(), wrap_options={"checkpoint": True})
+                                      processing_class=tokenizer(), wrap_options={"checkpoint": "auto"})
     trainer.train(resume_from_checkpoint=str(WORK / f"sft.w{bmt.world_size()}" / "checkpoint-2"))
     straight, resumed = bmt.full_state_dict(TRAINED["sft"].model), bmt.full_state_dict(trainer.model)
     return {"class": type(trainer).__name__, "sharded": wrapped_record(trainer.model) is not None,
