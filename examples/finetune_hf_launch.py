@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import gc
 import json
 import os
 import signal
@@ -234,6 +235,12 @@ def stopped(error: BaseException, args: argparse.Namespace, worker: bool, starte
 
 def leave(outcome: Outcome, args: Optional[argparse.Namespace] = None) -> NoReturn:
     """End this process: the message printed once, by rank 0, or handed to the process that started us."""
+    # The run's garbage is collected now (what it left open is closed); what is still alive, the modules'
+    # objects, is left out of the collections of the interpreter's exit, which would walk every object
+    # of torch and transformers again: 1.5 s of each process's end on two CPU cores, waited for by torchrun
+    # and the user. Nothing of it is needed any more.
+    gc.collect()
+    gc.freeze()
     rank = int(os.environ.get("RANK", "0"))
     report = os.environ.get(REPORT_ENV)
     if report is not None:  # one of our workers: see [Note: how a run ends]

@@ -11,8 +11,6 @@ from __future__ import annotations
 import importlib
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -22,6 +20,7 @@ from torch import nn
 
 import bmtwrap as bmt
 import bmtwrap.engine.dist
+from launch import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -119,9 +118,9 @@ def cast_after_wrap(folder: Path) -> None:
 def init_without_master_addr(folder: Path) -> None:
     """init_distributed in a process started with RANK and WORLD_SIZE but no MASTER_ADDR/MASTER_PORT."""
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
-    done = subprocess.run([sys.executable, "-c", "import bmtwrap; bmtwrap.init_distributed()"], cwd=ROOT, timeout=120,
-                          env=dict(env, RANK="0", WORLD_SIZE="2"), capture_output=True, text=True)
-    raise RuntimeError(done.stderr)
+    _, output = run_python("import bmtwrap; bmtwrap.init_distributed()", env=dict(env, RANK="0", WORLD_SIZE="2"),
+                           timeout=120)
+    raise RuntimeError(output)
 
 
 def t5_without_model_class(folder: Path) -> None:
@@ -133,11 +132,12 @@ def t5_without_model_class(folder: Path) -> None:
 
 
 def cli(*args: str) -> Callable[[Path], None]:
+    """``python -m bmtwrap ARGS``, through its main() in this process (tests/test_wrap.py::test_plan_command starts
+    the command itself): a mistake is a SystemExit with the message Python prints."""
     def run(folder: Path) -> None:
-        done = subprocess.run([sys.executable, "-m", "bmtwrap", *args], cwd=ROOT, capture_output=True, text=True,
-                              timeout=120)
-        if done.returncode != 0:
-            raise SystemExit(done.stderr)
+        from bmtwrap.__main__ import main
+
+        main(list(args))
     return run
 
 

@@ -311,7 +311,10 @@ def test_print_helpers_layout(capsys) -> None:
     assert lines[3] == "lr   : 0.5" and lines[4] == "key  : " + "v" * 60 and lines[5] == "       " + "v" * 5
 
 
-def test_bmtrain_runner(tmp_path) -> None:
+def test_bmtrain_runner(tmp_path, capsys) -> None:
+    """``python -m bmtwrap.bmtrain`` as a user runs it, once; the missing program through the same main() here."""
+    from bmtwrap.bmtrain.__main__ import main
+
     program = tmp_path / "train.py"
     program.write_text("import sys\nimport bmtrain as bmt\nfrom helper import VALUE\n"
                        "bmt.init_distributed(seed=0)\nprint('args', sys.argv[1:], VALUE, bmt.world_size())\n")
@@ -320,9 +323,10 @@ def test_bmtrain_runner(tmp_path) -> None:
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "args ['--lr', '1'] 42 1" in done.stdout
-    missing = subprocess.run([sys.executable, "-m", "bmtwrap.bmtrain", str(tmp_path / "nope.py")], cwd=ROOT,
-                             capture_output=True, text=True, timeout=120)
-    assert missing.returncode == 2 and "no program file" in missing.stderr and "usage:" in missing.stderr
+    with pytest.raises(SystemExit) as missing:
+        main([str(tmp_path / "nope.py")])
+    stderr = capsys.readouterr().err
+    assert missing.value.code == 2 and "no program file" in stderr and "usage:" in stderr
 
 
 def test_optimizer_and_manager_option_errors() -> None:

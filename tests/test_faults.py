@@ -1,6 +1,7 @@
 """Faults: a rank killed, a rank hung, ranks running different blocks, a rank out of memory, and the errors that name them.
 
-The multi-process tests launch 3 ranks (2 for one of the out-of-memory jobs) of tests/dist_cases/faults.py as plain processes, each with
+The multi-process tests launch 3 ranks (2 for one of the out-of-memory jobs) of tests/dist_cases/faults.py as
+plain processes (forked from a server that has imported torch and bmtwrap, tests/forked_ranks.py), each with
 RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT/LOCAL_RANK, around a TCPStore that this process hosts, as
 torchrun's agent does (``TORCHELASTIC_USE_AGENT_STORE=True``). Not under torchrun itself: its agent
 would kill the survivors of a failed worker before they could fail on their own, which is what is
@@ -13,8 +14,6 @@ from __future__ import annotations
 import datetime
 import os
 import re
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import torch.distributed as dist
 import bmtwrap as bmt
 import bmtwrap.engine.watchdog
 from bmtwrap.engine.watchdog import CompletionWatch, RankRecord, Watchdog
+from forked_ranks import ForkedScript
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -73,36 +73,30 @@ class Job:
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                    BMTWRAP_SHARD_SIZE=str(shard_size or world))
         name = f"{mode}-shard{shard_size}" if shard_size else mode
-        args = [sys.executable, str(SCRIPT), mode, str(VICTIM), str(TIMEOUT_S[mode]), *(["check"] if check else [])]
+        args = [mode, str(VICTIM), str(TIMEOUT_S[mode]), *(["check"] if check else [])]
         self.logs = [tuple(open(tmp_path / f"{name}.rank{r}.{kind}", "w+") for kind in ("out", "err"))
                      for r in range(world)]
-        self.procs = [subprocess.Popen(args, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=out, stderr=err)
+        # Forked from a server that has imported torch and bmtwrap (see tests/forked_ranks.py), as
+        # `python faults.py ARGS` with this environment.
+        self.procs = [ForkedScript(str(SCRIPT), args, dict(env, RANK=str(r), LOCAL_RANK=str(r)), out.name, err.name)
                       for r, (out, err) in enumerate(self.logs)]
-        self.ended: Dict[int, float] = {}
         self._ranks: Optional[List[Rank]] = None
-        self._waiters = [threading.Thread(target=self._wait, args=(r,), daemon=True) for r in range(world)]
-        for waiter in self._waiters:
-            waiter.start()
-
-    def _wait(self, r: int) -> None:
-        self.procs[r].wait()
-        self.ended[r] = time.time()
 
     def finish(self, wait_s: float = 300, *, victim_too: bool = False) -> List[Rank]:
         """Wait for the ranks (but the victim, unless ``victim_too``), kill any still running; what each did.
 
-        The wait is long: the jobs start side by side, and on a loaded 2-core machine their 18 processes take
-        a minute or more to import torch before the first step (they wait for each other first, see
-        ``wait_for_every_rank`` in faults.py); a job that works ends long before it."""
+        The wait is long: the jobs start side by side, and on a loaded 2-core machine their 19 processes may
+        take long to reach the first step (they wait for each other first, see ``wait_for_every_rank`` in
+        faults.py); a job that works ends long before it."""
         if self._ranks is not None:
             return self._ranks
         deadline = time.time() + wait_s
-        for r, waiter in enumerate(self._waiters):
+        for r, proc in enumerate(self.procs):
             if r != VICTIM or victim_too:
-                waiter.join(timeout=max(0.0, deadline - time.time()))
-        codes = [proc.poll() for proc in self.procs]
+                proc.wait(timeout=max(0.0, deadline - time.time()))
+        codes = [proc.returncode for proc in self.procs]
         for proc in self.procs:
-            if proc.poll() is None:
+            if proc.returncode is None:
                 proc.kill()
             proc.wait()
         # The default group's store prefixes our keys ("default_pg/0//bmtwrap/heartbeat/1").
@@ -111,7 +105,7 @@ class Job:
         for r, (out, err) in enumerate(self.logs):
             out.seek(0), err.seek(0)
             record = RankRecord.decode(self.store.get(keys[r])) if r in keys else None
-            ranks.append(Rank(codes[r], self.ended.get(r, float("inf")) if codes[r] is not None else float("inf"),
+            ranks.append(Rank(codes[r], self.procs[r].ended if codes[r] is not None else float("inf"),
                               out.read(), err.read(), record))
             out.close(), err.close()
         self._ranks = ranks

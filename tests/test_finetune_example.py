@@ -10,6 +10,7 @@ are tested in this process, through the example's own main().
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -693,17 +694,27 @@ def test_a_damaged_checkpoint_is_one_message_on_resume(stopped_run: Path, tmp_pa
                         "start, without --resume", message), message
 
 
-def test_a_full_disk_while_logging_is_one_message(stopped_run: Path, tmp_path: Path) -> None:
+def test_a_full_disk_while_logging_is_one_message(example: ModuleType, stopped_run: Path, tmp_path: Path) -> None:
+    """Rank 0's log.jsonl, opened as a resumed run opens it, refuses step 5's line: what that rank reports, and the
+    message the launching process makes of it. In this process: the way a rank's failure to write reaches that
+    message (rank 0 stops, rank 1 loses its collective and is not taken for the cause, the empty export folder
+    goes) is the one a 2-process run checks below, for an --out made read-only."""
+    launch = sys.modules["finetune_hf_launch"]  # imported by the example, from beside it
     out = tmp_path / "out"
     shutil.copytree(stopped_run, out)
     (out / "log.jsonl").unlink()
     (out / "log.jsonl").symlink_to("/dev/full")  # every write fails: No space left on device
-    message = the_one_message(run_example(*SHORT, "--out", str(out), "--resume", check=False), 1)
-    assert message == (f"finetune_hf.py: step 5: cannot write {out / 'log.jsonl'} (No space left on device); free "
-                       f"space on its disk; the checkpoint of step 4 in {out / 'checkpoint'} is intact; continue with "
-                       "--resume")
-    assert not (out / "hf").exists(), "the failed run left the empty folder it was to export to"
-    assert not (out / "errors.log").exists(), "rank 1's lost collective was kept as if it were the cause"
+    args = example.parse_args([*SHORT, "--out", str(out), "--resume"])
+    started = time.time()
+    log = example.open_log(out / "log.jsonl", 4)
+    with pytest.raises(example.RunFailed) as failure:
+        example.log_step(log, {"step": 5, "loss": 6.5})
+    with contextlib.suppress(OSError):  # the line it still holds cannot be written on closing either
+        log.close()
+    report = launch.stopped(failure.value, args, True, started)  # True: a worker, as under our torchrun
+    assert launch.settle([report], args, started).message == (
+        f"finetune_hf.py: step 5: cannot write {out / 'log.jsonl'} (No space left on device); free space on its disk; "
+        f"the checkpoint of step 4 in {out / 'checkpoint'} is intact; continue with --resume")
 
 
 def test_an_out_made_read_only_after_the_start_is_one_message(stopped_run: Path, tmp_path: Path) -> None:
@@ -719,6 +730,8 @@ def test_an_out_made_read_only_after_the_start_is_one_message(stopped_run: Path,
         f"finetune_hf.py: cannot write {out / 'log.jsonl'} (Read-only file system); its file system is read-only: "
         f"make it writable or give another --out; the checkpoint of step 4 in {out / 'checkpoint'} is intact; "
         "continue with --resume")
+    assert not (out / "hf").exists(), "the failed run left the empty folder it was to export to"
+    assert not (out / "errors.log").exists(), "rank 1's lost collective was kept as if it were the cause"
 
 
 def test_a_full_disk_at_a_checkpoint_is_one_message(stopped_run: Path, tmp_path: Path) -> None:

@@ -27,8 +27,8 @@ rounding is not amplified by the optimizer (see tests/test_parity.py).
 Design (why a persistent worker group). Hypothesis decides each example from the previous ones
 (and shrinks a failure by trying smaller specs), so the examples cannot be listed before a launch
 the way tests/launch.py's case scripts are; a torchrun launch per example would cost seconds where
-an example costs ~0.1-0.7 s on 2 cores. So the ``groups`` fixture starts one torchrun job per world
-size, once per module (tests/worker_group.py): the pytest process draws each spec (so every rank
+an example costs ~0.1-0.7 s on 2 cores. So the ``groups`` fixture starts one job per world size
+(ranks forked with torchrun's environment), once per module (tests/worker_group.py): the pytest process draws each spec (so every rank
 trains the same one), sends it over a local socket to rank 0, which broadcasts it; every rank runs
 tests/dist_cases/module_trees.py's ``check`` and rank 0 answers with the measurements. A failing
 example shrinks like any hypothesis test (each smaller spec is one more request to the same job), and

@@ -1,6 +1,6 @@
 """Sharded training equals unwrapped training, at world sizes 1 to 4 (gloo, CPU).
 
-Tolerances. Losses: relative 1e-6 in fp32. Parameters after 10 AdamW steps: absolute 1e-5 in
+Tolerances. Losses: relative 1e-6 in fp32. Parameters after 4 AdamW steps: absolute 1e-5 in
 fp32. Averaging gradients over ranks rounds differently from one process summing the whole
 batch, and Adam divides each gradient by its own running magnitude, so an element whose gradient
 is nearly zero turns that rounding into a step-sized difference. With lr=1e-3 and eps=1e-6 that

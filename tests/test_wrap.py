@@ -356,17 +356,22 @@ def test_plan_backward_peak_follows_the_blocks_last_to_first():
         assert m.backward_peak < m.params + m.grads + m.optimizer + m.gathered + m.activations
 
 
-def test_plan_command(tmp_path):
+def test_plan_command(tmp_path, capsys):
+    """``python -m bmtwrap plan`` as a user runs it, once (a fresh interpreter imports torch and transformers:
+    8 s on two cores); the other targets through the same main() in this process."""
+    from bmtwrap.__main__ import main
+
     tiny_llama().config.save_pretrained(tmp_path / "model")
     config = json.loads((tmp_path / "model" / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(config))
-    for target in (tmp_path / "model", tmp_path / "config.json"):
-        out = subprocess.run([sys.executable, "-m", "bmtwrap", "plan", str(target), "--world-size", "2"],
-                             capture_output=True, text=True, check=True).stdout
-        assert "WrapPlan for LlamaForCausalLM over 2 rank(s): 2 blocks" in out
-    missing = subprocess.run([sys.executable, "-m", "bmtwrap", "plan", str(tmp_path / "nowhere")],
-                             capture_output=True, text=True)
-    assert missing.returncode != 0 and "no such file or folder" in missing.stderr
+    out = subprocess.run([sys.executable, "-m", "bmtwrap", "plan", str(tmp_path / "model"), "--world-size", "2"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "WrapPlan for LlamaForCausalLM over 2 rank(s): 2 blocks" in out
+    main(["plan", str(tmp_path / "config.json"), "--world-size", "2"])
+    assert "WrapPlan for LlamaForCausalLM over 2 rank(s): 2 blocks" in capsys.readouterr().out
+    # SystemExit with a message: Python prints it to stderr and exits with status 1.
+    with pytest.raises(SystemExit, match="no such file or folder"):
+        main(["plan", str(tmp_path / "nowhere")])
 
 
 def test_plan_command_options(tmp_path, capsys):

@@ -7,7 +7,7 @@ launch per example (torch imported by every rank, a rendezvous) costs seconds wh
 a fraction of one. So the job stays up and serves:
 
     pytest process                               rank 0 of the job             other ranks
-    listens on 127.0.0.1, starts torchrun  <-->  connects, says the token
+    listens on 127.0.0.1, starts the ranks <-->  connects, says the token
     send(request: one JSON line)           -->   receives it, broadcasts  -->  receive it
                                                  runs it               (all)   run it
     receive(result: one JSON line)         <--   sends rank 0's result
@@ -16,6 +16,11 @@ a fraction of one. So the job stays up and serves:
 :func:`serve` is the job's side of it. A request that does not get its answer within the timeout,
 or a job that dies, raises :class:`WorkerGroupError` with the end of the job's output; the job is
 killed and the next request starts a new one.
+
+The ranks are forked from a server that has imported torch and bmtwrap (tests/forked_ranks.py), with
+what torchrun gives its workers: the environment variables, and a TCPStore hosted outside the ranks
+(here, in the pytest process) as torchrun's agent hosts it. A torchrun job cost an agent and every rank
+their imports of torch, seconds of CPU each.
 """
 
 from __future__ import annotations
@@ -24,14 +29,18 @@ import json
 import os
 import secrets
 import select
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
+import uuid
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, List, Optional
+
+import torch.distributed as dist
+
+from forked_ranks import ForkedScript
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -86,7 +95,8 @@ class WorkerGroup:
         self.world_size = world_size
         self.timeout = timeout
         self.start_timeout = start_timeout
-        self._proc: Optional[subprocess.Popen] = None
+        self._ranks: List[ForkedScript] = []
+        self._store: Optional[dist.TCPStore] = None
         self._sock: Optional[socket.socket] = None
         self._reader: Optional[_LineReader] = None
         self._log: Optional[Any] = None
@@ -94,7 +104,7 @@ class WorkerGroup:
 
     def request(self, message: Any) -> Any:
         """Send ``message`` (JSON-able) to every rank; return rank 0's answer."""
-        if self._proc is None:
+        if not self._ranks:
             self._start()
         assert self._sock is not None and self._reader is not None
         try:
@@ -113,29 +123,34 @@ class WorkerGroup:
 
     def close(self) -> None:
         """Ask the ranks to exit; kill them if they do not within 30 s."""
-        if self._proc is None:
+        if not self._ranks:
             return
         self.stop()
-        try:
-            self._proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
+        deadline = time.monotonic() + 30
+        for rank in self._ranks:
+            rank.wait(timeout=max(0.0, deadline - time.monotonic()))
         self._kill()
 
     def _alive(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        """Every rank still runs (as under torchrun, whose agent ends the job when one rank has ended)."""
+        return bool(self._ranks) and all(rank.returncode is None for rank in self._ranks)
 
     def _start(self) -> None:
         token = secrets.token_hex(16)
         server = socket.create_server(("127.0.0.1", 0))
         server.settimeout(0.5)
         address = f"127.0.0.1:{server.getsockname()[1]}"
-        self._log = tempfile.TemporaryFile(mode="w+")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.world_size}",
-               str(TESTS / "dist_cases" / self.script), address, token]
+        self._log = tempfile.NamedTemporaryFile(mode="w+")
+        self._store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(minutes=30), wait_for_workers=False)
+        world = str(self.world_size)
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                   PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")]))
-        self._proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                   PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")]),
+                   WORLD_SIZE=world, LOCAL_WORLD_SIZE=world, GROUP_RANK="0", GROUP_WORLD_SIZE="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self._store.port), TORCHELASTIC_RUN_ID=uuid.uuid4().hex,
+                   TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
+        self._ranks = [ForkedScript(str(TESTS / "dist_cases" / self.script), [address, token],
+                                    dict(env, RANK=str(r), LOCAL_RANK=str(r)), self._log.name, self._log.name)
+                       for r in range(self.world_size)]
         deadline = time.monotonic() + self.start_timeout
         try:
             while True:
@@ -167,38 +182,17 @@ class WorkerGroup:
                                 f"{self._last_log[-LOG_TAIL:]}")
 
     def _kill(self) -> None:
-        if self._proc is not None:
-            # torchrun starts each rank in a session of its own: kill them by id, found before torchrun goes.
-            for pid in [self._proc.pid, *_descendants(self._proc.pid)]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass  # already gone
-            self._proc.wait()
+        for rank in self._ranks:
+            rank.kill()
+            rank.wait()
         if self._sock is not None:
             self._sock.close()
         if self._log is not None:
             self._log.seek(0)
             self._last_log = self._log.read()
             self._log.close()
-        self._proc = self._sock = self._reader = self._log = None
-
-
-def _descendants(pid: int) -> List[int]:
-    """The ids of the processes under ``pid``, from /proc (Linux)."""
-    children: Dict[int, List[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (command)": state, ppid, ...
-        except (OSError, IndexError):
-            continue  # exited meanwhile
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+        self._ranks = []
+        self._store = self._sock = self._reader = self._log = None
 
 
 def serve(handle: Callable[[Any], Any]) -> None:
