@@ -180,7 +180,7 @@ def perplexity(model: nn.Module, data: Any, args: argparse.Namespace, device: to
     total = torch.zeros(2, dtype=torch.float64, device=device)  # (summed loss, predicted tokens)
     for start in range(first, first + per_rank, args.batch):
         batch = data.held_out_batch(start, min(start + args.batch, first + per_rank))  # (B, T)
-        loss = model(**batch.inputs(device)).loss  # the mean over the batch's predicted tokens
+        loss = model(**batch.inputs(model, device)).loss  # the mean over the batch's predicted tokens
         predicted = batch.predicted()
         total[0] += loss.double() * predicted
         total[1] += predicted
@@ -221,7 +221,7 @@ def export(model: nn.Module, tokenizer: Any, args: argparse.Namespace) -> Path:
 def check_loss(model: nn.Module, batch: Batch, device: torch.device) -> float:
     """The loss of one fixed held-out batch: compared with the reloaded export's."""
     model.eval()
-    loss = model(**batch.inputs(device)).loss.item()
+    loss = model(**batch.inputs(model, device)).loss.item()
     model.train()
     return loss
 
@@ -243,7 +243,7 @@ def reload_without_bmtwrap(folder: Path, args: argparse.Namespace, batch: Batch,
     out = model.eval().generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
                                 max_new_tokens=args.sample_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     with torch.no_grad():
-        loss = model(**batch.inputs(device)).loss.item()
+        loss = model(**batch.inputs(model, device)).loss.item()
     return tokenizer.decode(out[0], skip_special_tokens=True), loss
 
 
@@ -424,7 +424,7 @@ def train(run: Run, summary: Summary, rank: int, world: int) -> None:
             # Each share's mean loss weighs as many of the step's predicted tokens as it holds, so the
             # step's loss is their mean, however records split them (the weight of equal windows: 1.0).
             weight = batch.predicted() * world * args.grad_accum / targets
-            loss = model(**batch.inputs(device)).loss * weight / args.grad_accum
+            loss = model(**batch.inputs(model, device)).loss * weight / args.grad_accum
             manager.backward(loss)
             loss_sum += loss.detach()
         loss_value = bmt.sum_loss(loss_sum).item()  # the mean over ranks: the whole batch's loss, alike on all

@@ -41,11 +41,14 @@ class Batch(NamedTuple):
     targets: int = 0  # the whole batch's predicted tokens (see predicted())
     position_ids: Optional[torch.Tensor] = None  # (B, T), packed rows: restarting at every example
 
-    def inputs(self, device: torch.device) -> Dict[str, Any]:
-        """The model's keyword arguments, on ``device``; packed rows also get ``use_cache=False``."""
+    def inputs(self, model: torch.nn.Module, device: torch.device) -> Dict[str, Any]:
+        """``model``'s keyword arguments, on ``device``: packed rows as ``bmtwrap.data.packed_inputs`` gives them."""
+        if self.position_ids is not None:
+            from bmtwrap.data import packed_inputs
+
+            return packed_inputs(model, device, input_ids=self.input_ids, labels=self.labels,
+                                 position_ids=self.position_ids)
         names = ["input_ids", "labels"] + (["attention_mask"] if self.attention_mask is not None else [])
-        if self.position_ids is not None:  # see bmtwrap.data.PackedBatch.model_inputs: no mask, no cache
-            return {name: getattr(self, name).to(device) for name in names + ["position_ids"]} | {"use_cache": False}
         return {name: getattr(self, name).to(device) for name in names}
 
     def predicted(self) -> int:

@@ -573,7 +573,8 @@ def test_record_batches_pad_each_share(example: ModuleType, records: Path) -> No
         # the whole batch's predicted tokens, computed here in one piece.
         assert shares[0].targets == sum(s.predicted() for s in shares)
         with torch.no_grad():
-            weighed = sum(model(**s.inputs(torch.device("cpu"))).loss * s.predicted() / s.targets for s in shares)
+            cpu = torch.device("cpu")
+            weighed = sum(model(**s.inputs(model, cpu)).loss * s.predicted() / s.targets for s in shares)
             whole = pad_examples(rows, examples.pad_id)
             reference = model(input_ids=whole.input_ids, labels=whole.labels, attention_mask=whole.attention_mask).loss
         assert weighed.item() == pytest.approx(reference.item(), rel=1e-5)
@@ -625,8 +626,8 @@ def test_packed_batches_are_shared_by_rank_replayed_on_resume_and_weigh_the_loss
     assert whole.targets == shares[0].targets == sum(s.predicted() for s in shares) == whole.predicted()
     # The step's loss as train() weighs the shares: the mean over the whole packed batch's predicted tokens.
     with torch.no_grad():
-        weighed = sum(model(**s.inputs(torch.device("cpu"))).loss * s.predicted() / s.targets for s in shares)
-        reference = model(**whole.inputs(torch.device("cpu"))).loss
+        weighed = sum(model(**s.inputs(model, torch.device("cpu"))).loss * s.predicted() / s.targets for s in shares)
+        reference = model(**whole.inputs(model, torch.device("cpu"))).loss
     assert weighed.item() == pytest.approx(reference.item(), rel=1e-5)
     share = run.packing._packer.padding_share()  # of the 6 batches packed so far
     assert run.unpacked_padding_share() == share.unpacked and 0 < share.packed < share.unpacked < 1

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from bmtwrap.data import Packer, PaddingShare, check_packing, first_fit_decreasing
+from bmtwrap.data import Packer, PaddingShare, check_packing, first_fit_decreasing, packed_inputs
 from launch import run_cases
 from packing_ref import alone, documents, examples, loss_count, tiny, token_loss_gap, token_losses
 
@@ -155,6 +155,16 @@ def test_flash_attention_gets_the_rows_joined_into_one():
     assert inputs["use_cache"] is False and "attention_mask" not in inputs
     assert torch.equal(inputs["position_ids"], batch.position_ids.reshape(1, -1))
     assert torch.equal(inputs["labels"][0, ::SEQ], torch.full((3,), -100))  # no row predicts the next one's first token
+    # Rows packed by other code (the main job's) get the same: packed_inputs is what model_inputs returns.
+    for implementation in ("flash_attention_2", "sdpa"):
+        model.config._attn_implementation = implementation
+        mine = packed_inputs(model, input_ids=batch.input_ids, labels=batch.labels, position_ids=batch.position_ids)
+        theirs = batch.model_inputs(model)
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine if k != "use_cache")
+        rows = 1 if implementation == "flash_attention_2" else batch.input_ids.shape[0]
+        assert mine["position_ids"].shape[0] == rows
+    with pytest.raises(TypeError, match="packed_inputs needs position_ids"):
+        packed_inputs(model, input_ids=batch.input_ids, labels=batch.labels)
 
 
 @pytest.fixture(scope="module")

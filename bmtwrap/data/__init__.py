@@ -16,7 +16,8 @@ to itself.
 """
 
 from .chat import SIMPLE_CHAT_TEMPLATE, render_chat
-from .packing import PACKING_FAMILIES, PackedBatch, Packer, PaddingShare, check_packing, first_fit_decreasing
+from .packing import (PACKING_FAMILIES, PackedBatch, Packer, PaddingShare, check_packing, first_fit_decreasing,
+                      packed_inputs)
 from .pad import PaddedBatch, pad_examples
 from .read import DataError, is_records, read_records
 from .shape import Fields, MissingFields, Shape, find_shape
@@ -40,6 +41,7 @@ __all__ = [
     "find_shape",
     "first_fit_decreasing",
     "is_records",
+    "packed_inputs",
     "pad_examples",
     "read_records",
     "render_chat",

@@ -37,7 +37,8 @@ from typing import Any, Dict, Generator, Iterable, Iterator, List, Mapping, Opti
 import torch
 from torch import nn
 
-__all__ = ["PACKING_FAMILIES", "PackedBatch", "Packer", "PaddingShare", "check_packing", "first_fit_decreasing"]
+__all__ = ["PACKING_FAMILIES", "PackedBatch", "Packer", "PaddingShare", "check_packing", "first_fit_decreasing",
+           "packed_inputs"]
 
 IGNORE_INDEX = -100
 _Example = Tuple[List[int], List[int]]  # (input_ids, labels), checked
@@ -126,11 +127,25 @@ class PackedBatch:
             NotImplementedError: the model's family or attention implementation is not known to
                 honour packed documents (see :func:`check_packing`).
         """
-        implementation = check_packing(model)
-        tensors = {"input_ids": self.input_ids, "labels": self.labels, "position_ids": self.position_ids}
-        if implementation in _VARLEN:
-            tensors = {name: t.reshape(1, -1) for name, t in tensors.items()}
-        return {**{name: t.to(device) for name, t in tensors.items()}, "use_cache": False}
+        return packed_inputs(model, device, input_ids=self.input_ids, labels=self.labels,
+                             position_ids=self.position_ids)
+
+
+def packed_inputs(model: nn.Module, device: Optional[torch.device] = None, **rows: torch.Tensor) -> Dict[str, Any]:
+    """Packed rows (``input_ids``, ``labels``, ``position_ids``, each ``(rows, seq)``) as ``model(**...)`` takes them.
+
+    What :meth:`PackedBatch.model_inputs` returns, for rows packed by other code: no attention mask,
+    ``use_cache=False``, and for flash attention the rows joined into one (each row must start a
+    document whose first label is -100, as :class:`Packer`'s do, so the loss is unchanged).
+
+    Raises:
+        NotImplementedError: as :func:`check_packing`.
+    """
+    if "position_ids" not in rows:
+        raise TypeError("packed_inputs needs position_ids: they are what keeps the packed documents apart")
+    if check_packing(model) in _VARLEN:
+        rows = {name: t.reshape(1, -1) for name, t in rows.items()}
+    return {**{name: t.to(device) for name, t in rows.items()}, "use_cache": False}
 
 
 def check_packing(model: nn.Module) -> str:
