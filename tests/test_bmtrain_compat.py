@@ -253,13 +253,10 @@ def test_block_follows_bmtrain() -> None:
     """)
 
 
-def test_nn_parallel_layers_refuse() -> None:
+def test_op_parallel_linear_needs_gather_input_to_split() -> None:
     import bmtwrap.bmtrain.nn as bnn
-    for name in ("ColumnParallelLinear", "RowParallelLinear", "VPEmbedding"):
-        with pytest.raises(NotImplementedError, match=r"no tensor parallelism .* use "):
-            getattr(bnn, name)(8, 8)
-    with pytest.raises(NotImplementedError, match=r"OpLinear"):
-        bnn.OpParallelLinear.apply(None, None)
+    with pytest.raises(ValueError, match=r"split_input=True needs gather_input=True"):
+        bnn.OpParallelLinear.apply(torch.ones(2, 4), torch.ones(3, 4), None, False, False, True)
 
 
 def test_bmtrain_module_paths() -> None:
