@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import bmtwrap as bmt
+from bmtwrap.checkpoint import save_checkpoint
 from bmtwrap.engine.full_state import full_grad_dict
 from common import raised, run
 
@@ -254,7 +255,9 @@ def save_and_load() -> Dict[str, Any]:
         found[name + "_state_dict"] = max(diff(v, want[k]) for k, v in model.state_dict().items())
     found["errors"] = {
         "tp_split_dim": raised(lambda: bmt.DistributedParameter(torch.zeros(4), tp_mode=True, tp_split_dim=1)),
-        "vocab": raised(lambda: bmt.nn.VPEmbedding(V + 1, H)) if tp() > 1 else ["none", ""]}
+        "vocab": raised(lambda: bmt.nn.VPEmbedding(V + 1, H)) if tp() > 1 else ["none", ""],
+        "wrap": raised(lambda: bmt.wrap(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))) if tp() > 1 else [],
+        "sharded": raised(lambda: save_checkpoint(shared_path("sharded"), model)) if tp() > 1 else []}
     return found
 
 
