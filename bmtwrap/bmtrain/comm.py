@@ -4,7 +4,7 @@ BMTrain keeps NCCL communicators of its own in ``bmt.config`` (``comm``, ``zero_
 and a ``topology`` object that says which ranks each one joins. Here a :class:`Communicator` names a
 group of ranks and runs on a ``torch.distributed`` process group (NCCL on GPUs, gloo on CPUs);
 :class:`Topology` is BMTrain's layout of pipeline, tensor-parallel and ZeRO groups, computed for any
-sizes (bmtwrap itself runs with pipeline and tensor-parallel sizes of 1).
+sizes (bmtwrap itself runs with a pipeline size of 1).
 
 [Note: BMTrain's layout]
 With W ranks, P pipeline stages and T tensor-parallel ranks (W divisible by P * T), BMTrain cuts the
