@@ -69,6 +69,8 @@ class DistContext:
         shard_size: the ranks one parameter is sharded over (see [Note: hybrid sharding]): groups of
             ``shard_size`` consecutive ranks each hold the whole model in shards, and the groups
             replicate each other. ``world_size`` (the default) shards over every rank.
+        tp_size: ranks of one tensor-parallel group (``init_distributed(tp_size=...)``; see [Note: tensor
+            parallelism] in ``tp.py``); parameters are then sharded over ``shard_size = world_size // tp_size``.
         traffic: what the engine's collectives moved since the last reset (``collectives.traffic``).
         local_rank: rank on this host; picks the CUDA device.
         device: where parameters, gathers and reductions live (``cuda:<local_rank>`` or ``cpu``).
@@ -101,7 +103,7 @@ class DistContext:
     debug_values: Dict[str, Any] = field(default_factory=dict, repr=False)
     watchdog: Optional[Watchdog] = field(default=None, repr=False)
     shard_size: int = 0  # 0: world_size (set in __post_init__)
-    tp_size: int = 1  # ranks of one tensor-parallel group (see [Note: tensor parallelism] in tp.py)
+    tp_size: int = 1
     # What the engine's collectives moved: {operation: [calls, bytes each rank sent]} (see collectives.traffic).
     traffic: Dict[str, List[float]] = field(default_factory=dict, repr=False)
     # The sub-groups of a hybrid layout (None where the world group or no group serves): see shard_group; and
@@ -158,9 +160,7 @@ class DistContext:
     @property
     def tp_group(self) -> Optional[dist.ProcessGroup]:
         """This rank's tensor-parallel group (``tp_size`` consecutive ranks); ``None`` when ``tp_size`` is 1."""
-        if self.tp_size == 1:
-            return None
-        return self.subgroups.get("tp") or self.group
+        return None if self.tp_size == 1 else self.subgroups.get("tp") or self.group
 
     @property
     def tp_rank(self) -> int:
@@ -482,8 +482,7 @@ def _make_subgroups(world: int, shards: int, wait_limit: datetime.timedelta) -> 
 
 
 def _tp_subgroups(world: int, tp_size: int, wait_limit: datetime.timedelta) -> Dict[str, Any]:
-    """The groups of tensor parallelism: ``"tp"``, ``tp_size`` consecutive ranks, and ``"shard"``, the ranks
-    with the same place in theirs (BMTrain's tp_zero groups); none where the world group serves."""
+    """``"tp"``: groups of ``tp_size`` consecutive ranks; ``"shard"``: the ranks with one place in theirs (tp_zero)."""
     if tp_size == world:
         return {}
     tp, _ = dist.new_subgroups_by_enumeration(_shard_groups(world, tp_size), timeout=wait_limit)

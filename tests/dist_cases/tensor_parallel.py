@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,7 @@ from torch import nn
 
 import bmtwrap as bmt
 from bmtwrap.checkpoint import save_checkpoint
+from bmtwrap.engine.dist import current
 from bmtwrap.engine.full_state import full_grad_dict
 from common import raised, run
 
@@ -175,7 +176,7 @@ class Reference(nn.Module):
 
 
 def full_state(path: str) -> Dict[str, torch.Tensor]:
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return torch.load(path, map_location=current().device, weights_only=True)
 
 
 def shared_path(name: str) -> str:
@@ -268,8 +269,16 @@ def config() -> Dict[str, Any]:
             "tp_zero_size": c["tp_zero_size"], "zero_size": c["zero_size"]}
 
 
+def on_device(case: Callable[[], Dict[str, Any]]) -> Callable[[], Dict[str, Any]]:
+    """``case`` making its tensors on this process's device (CUDA over NCCL on GPUs, the CPU over gloo)."""
+    def run_there() -> Dict[str, Any]:
+        with torch.device(current().device):
+            return case()
+    return run_there
+
+
 if __name__ == "__main__":
     cases = {"config": config, "column": column, "row": row, "embedding_and_loss": embedding_and_loss,
              "training": training, "save_and_load": save_and_load}
     only = sys.argv[4].split(",") if len(sys.argv) > 4 else list(cases)
-    run({name: cases[name] for name in only}, tp_size=int(sys.argv[2]))
+    run({name: on_device(cases[name]) for name in only}, tp_size=int(sys.argv[2]))

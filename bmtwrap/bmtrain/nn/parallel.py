@@ -198,7 +198,8 @@ class VPEmbedding(DistributedModule):
         vocab_size: classes; a multiple of ``tp_size``.
         embedding_size: size of each embedding.
         dtype: the table's dtype (BMTrain's default, ``torch.half``).
-        init_mean, init_std: the normal distribution ``bmt.init_parameters`` draws the table from.
+        init_mean: the mean of the normal distribution ``bmt.init_parameters`` draws the table from.
+        init_std: its standard deviation.
 
     Raises:
         ValueError: ``vocab_size`` not a multiple of ``tp_size``.
