@@ -114,6 +114,16 @@ def embedding_and_loss() -> Dict[str, Any]:
         found[f"projection,smoothing={smoothing}"] = [
             diff(logits, mine(ref_logits, -1)), diff(loss, ref_loss), diff(hr.grad, mine(hf.grad, 0)),
             diff(grads(emb)["weight"], ref.weight.grad)]
+    head = bmt.nn.VPProjection(V, H, dtype=torch.float32)  # takes the whole input
+    head.load_state_dict({"weight": ref.weight})
+    ref.weight.grad = None
+    hw, hf = h.clone().requires_grad_(), h.clone().requires_grad_()
+    logits = head(hw)
+    bmt.loss.FusedCrossEntropy(parallel=True)(logits.view(-1, V // tp()), target).backward()
+    ref_logits = F.linear(hf, ref.weight)
+    F.cross_entropy(ref_logits.view(-1, V), target).backward()
+    found["vp_projection"] = [diff(logits, mine(ref_logits, -1)), diff(hw.grad, hf.grad),
+                              diff(grads(head)["weight"], ref.weight.grad)]
     rows = bmt.loss.FusedCrossEntropy(parallel=True, reduction="none")(
         mine(F.linear(h, ref.weight).view(-1, V), -1), target)
     found["none"] = [diff(rows, F.cross_entropy(F.linear(h, ref.weight).view(-1, V), target, reduction="none"))]

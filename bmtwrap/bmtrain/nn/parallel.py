@@ -231,14 +231,17 @@ class VPEmbedding(DistributedModule):
 
 
 class VPProjection(VPEmbedding):
-    """BMTrain's vocabulary-parallel projection: :class:`VPEmbedding`'s ``projection=True`` as its forward.
+    """BMTrain's vocabulary-parallel projection: this rank's slice of the vocabulary's logits of the whole ``x``.
+
+    Unlike ``VPEmbedding(x, projection=True)``, the input is whole on every rank (as BMTrain's
+    ``VPProjection`` takes it); its gradient comes back whole too.
 
     Example::
 
         head = bmt.nn.VPProjection(32000, 1024)
-        logits = head(h_rows)                                    # (n * T, ..., 32000 / T)
+        logits = head(h)                                         # (n, ..., 1024) -> (n, ..., 32000 / T)
     """
 
     def forward(self, x: torch.Tensor, projection: bool = True) -> torch.Tensor:  # type: ignore[override]
-        """This rank's vocabulary logits of the group's rows of ``x``."""
-        return super().forward(x, projection=True)
+        """This rank's vocabulary logits of ``x`` (``projection`` is accepted and ignored)."""
+        return OpParallelLinear.apply(x, self.weight, None)
