@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops
+from .engine.tp import parallel_cross_entropy
 
 __all__ = ["FusedCrossEntropy", "linear_cross_entropy"]
 
@@ -76,15 +77,16 @@ class FusedCrossEntropy(nn.Module):
         ignore_index: targets equal to it contribute nothing (and are not counted by "mean").
         reduction: "mean" (over non-ignored rows), "sum" or "none".
         label_smoothing: as ``torch.nn.functional.cross_entropy``.
-        parallel: BMTrain's vocabulary-parallel loss over tensor-parallel ranks; only ``False``
-            (bmtwrap has no tensor parallelism).
+        parallel: BMTrain's vocabulary-parallel loss (``init_distributed(tp_size=T)``): the logits are
+            this rank's slice of the vocabulary (``bmt.nn.VPEmbedding(..., projection=True)``'s), the
+            target the whole one, the same on every rank of the tensor-parallel group; so is the loss.
         inplace: write the gradient into the logits' buffer in backward (saves one logits-sized
             tensor; the logits must not be used after backward).
 
     Raises:
         ValueError: an unknown ``reduction``, ``label_smoothing`` outside [0, 1), a ``weight`` that
             is not 1-D.
-        NotImplementedError: ``parallel=True``.
+        NotImplementedError: ``parallel=True`` with a ``weight``.
 
     Shapes: ``logits`` (N, V) or (..., V), ``target`` with the leading shape of ``logits``.
 
@@ -97,10 +99,9 @@ class FusedCrossEntropy(nn.Module):
                  label_smoothing: float = 0.0, parallel: bool = False, *, inplace: bool = False) -> None:
         super().__init__()
         _check(reduction, label_smoothing)
-        if parallel:
-            raise NotImplementedError("FusedCrossEntropy(parallel=True) is BMTrain's vocabulary-parallel loss over "
-                                      "tensor-parallel ranks; bmtwrap has no tensor parallelism: give it the whole "
-                                      "logits (parallel=False)")
+        if parallel and weight is not None:
+            raise NotImplementedError("FusedCrossEntropy(parallel=True) takes no class weight: give weight=None, "
+                                      "or gather the logits and use parallel=False")
         if weight is not None and (not isinstance(weight, torch.Tensor) or weight.dim() != 1):
             raise ValueError(f"weight must be a 1-D tensor with one weight per class, got "
                              f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
@@ -109,6 +110,7 @@ class FusedCrossEntropy(nn.Module):
         self.reduction = reduction
         self.label_smoothing = label_smoothing
         self.inplace = inplace
+        self.parallel = parallel
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The loss of ``logits`` against the class indices ``target``.
@@ -127,6 +129,13 @@ class FusedCrossEntropy(nn.Module):
             raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree: the target "
                              "needs the logits' shape without the last (vocabulary) dimension")
         vocab = logits.shape[-1]
+        if self.parallel:
+            rows = parallel_cross_entropy(logits.reshape(-1, vocab), target.reshape(-1).long(), self.ignore_index,
+                                          self.label_smoothing)
+            if self.reduction == "none":
+                return rows.view(target.shape)
+            total = rows.sum()
+            return total if self.reduction == "sum" else total / (target != self.ignore_index).sum().clamp(min=1)
         if self.weight is not None:
             if self.weight.numel() != vocab:
                 raise ValueError(f"weight has {self.weight.numel()} entries but the logits {vocab} classes")

@@ -144,11 +144,11 @@ def cli(*args: str) -> Callable[[Path], None]:
 ROWS = [
     # init_distributed
     Row("init-zero-level", ValueError, r"zero_level must be 2 or 3, got 1", covered_by="tests/test_errors.py::test_init_distributed_rejects_zero_level_1"),
-    Row("init-pipeline", NotImplementedError, r"pipeline, tensor and sequence parallelism are not supported",
+    Row("init-pipeline", NotImplementedError, r"pipeline and sequence parallelism are not supported",
         lambda f: bmt.init_distributed(pipe_size=2)),
-    Row("init-tensor-parallel", NotImplementedError, r"pipeline, tensor and sequence parallelism are not supported",
-        lambda f: bmt.init_distributed(tp_size=2)),
-    Row("init-sequence-parallel", NotImplementedError, r"pipeline, tensor and sequence parallelism are not supported",
+    Row("init-tensor-parallel", NotImplementedError, r"init_distributed\(shard_size=2\) with tp_size=2: .* leave "
+        r"shard_size out", lambda f: bmt.init_distributed(tp_size=2, shard_size=2)),
+    Row("init-sequence-parallel", NotImplementedError, r"pipeline and sequence parallelism are not supported",
         lambda f: bmt.init_distributed(sp_size=2)),
     Row("init-timeout", ValueError, r"timeout must be a positive, finite time, got -5",
         lambda f: bmt.init_distributed(timeout=-5)),

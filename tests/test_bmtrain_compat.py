@@ -253,13 +253,10 @@ def test_block_follows_bmtrain() -> None:
     """)
 
 
-def test_nn_parallel_layers_refuse() -> None:
+def test_op_parallel_linear_needs_gather_input_to_split() -> None:
     import bmtwrap.bmtrain.nn as bnn
-    for name in ("ColumnParallelLinear", "RowParallelLinear", "VPEmbedding"):
-        with pytest.raises(NotImplementedError, match=r"no tensor parallelism .* use "):
-            getattr(bnn, name)(8, 8)
-    with pytest.raises(NotImplementedError, match=r"OpLinear"):
-        bnn.OpParallelLinear.apply(None, None)
+    with pytest.raises(ValueError, match=r"split_input=True needs gather_input=True"):
+        bnn.OpParallelLinear.apply(torch.ones(2, 4), torch.ones(3, 4), None, False, False, True)
 
 
 def test_bmtrain_module_paths() -> None:
@@ -280,6 +277,11 @@ def test_bmtrain_module_paths() -> None:
         assert PipelineTransformerBlockList is bmtwrap.PipelineTransformerBlockList
         assert gather_result is bmtwrap.gather_result and optim_manager.OptimManager is bmtwrap.optim.OptimManager
         assert bmtrain.nn.Linear is bmtwrap.bmtrain.nn.Linear
+        from bmtrain.nn.parallel_projection import VPProjection
+        from bmtrain.nn.column_parallel_linear import ColumnParallelLinear
+        from bmtrain.nn.parallel_linear_func import OpParallelLinear, ReduceType
+        assert VPProjection is bmtwrap.bmtrain.nn.VPProjection and ReduceType is bmtwrap.bmtrain.nn.ReduceType
+        assert ColumnParallelLinear is bmt.nn.ColumnParallelLinear and OpParallelLinear is bmt.nn.OpParallelLinear
         assert bmtrain.distributed.all_reduce is bmtwrap.bmtrain.distributed.all_reduce
         assert bmt.debug.set is bmtwrap.bmtrain.debug.set and round_up(5, 4) == 8 and not is_initialized()
         flag = torch.zeros((), dtype=torch.uint8)

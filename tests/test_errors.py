@@ -70,11 +70,17 @@ def test_init_distributed_rejects_zero_level_1():
         bmt.init_distributed(seed=0, zero_level=1)
 
 
-@pytest.mark.parametrize("kwargs", [{"tp_size": 2}, {"pipe_size": 2}, {"sp_size": 2}],
-                         ids=["tp_size", "pipe_size", "sp_size"])
-def test_init_distributed_rejects_tensor_and_pipeline_parallelism(kwargs):
-    with pytest.raises(NotImplementedError, match=r"pipeline, tensor and sequence parallelism are not supported"):
+@pytest.mark.parametrize("kwargs", [{"pipe_size": 2}, {"sp_size": 2}], ids=["pipe_size", "sp_size"])
+def test_init_distributed_rejects_pipeline_and_sequence_parallelism(kwargs):
+    with pytest.raises(NotImplementedError, match=r"pipeline and sequence parallelism are not supported"):
         bmt.init_distributed(seed=0, **kwargs)
+
+
+def test_init_distributed_rejects_bad_tensor_parallel_sizes():
+    with pytest.raises(ValueError, match=r"tp_size must be a whole number of ranks >= 1, got 0"):
+        bmt.init_distributed(seed=0, tp_size=0)
+    with pytest.raises(NotImplementedError, match=r"shard_size=2\) with tp_size=2: .* leave shard_size out"):
+        bmt.init_distributed(seed=0, tp_size=2, shard_size=2)
 
 
 def test_init_distributed_rejects_unknown_backend():
@@ -191,9 +197,10 @@ def test_distributed_parameter_rejects_non_tensor():
         bmt.DistributedParameter([1.0, 2.0])
 
 
-def test_distributed_parameter_rejects_tp_mode():
-    with pytest.raises(NotImplementedError, match=r"tensor parallelism \(tp_mode=True\) is not supported"):
-        bmt.DistributedParameter(torch.zeros(4), tp_mode=True)
+def test_distributed_parameter_rejects_a_split_dim_it_lacks():
+    with pytest.raises(ValueError, match=r"tp_split_dim=2 is not a dimension of a tensor of shape \(4, 2\); give one "
+                                         r"below 2, or -1 for no split"):
+        bmt.DistributedParameter(torch.zeros(4, 2), tp_mode=True, tp_split_dim=2)
 
 
 def test_distributed_parameter_deepcopy_is_a_snapshot_of_the_piece():

@@ -4,7 +4,7 @@ BMTrain keeps NCCL communicators of its own in ``bmt.config`` (``comm``, ``zero_
 and a ``topology`` object that says which ranks each one joins. Here a :class:`Communicator` names a
 group of ranks and runs on a ``torch.distributed`` process group (NCCL on GPUs, gloo on CPUs);
 :class:`Topology` is BMTrain's layout of pipeline, tensor-parallel and ZeRO groups, computed for any
-sizes (bmtwrap itself runs with pipeline and tensor-parallel sizes of 1).
+sizes (bmtwrap itself runs with a pipeline size of 1).
 
 [Note: BMTrain's layout]
 With W ranks, P pipeline stages and T tensor-parallel ranks (W divisible by P * T), BMTrain cuts the
@@ -23,7 +23,9 @@ Each group kind partitions the ranks; BMTrain numbers the groups of a kind by ``
 pipeline, the stage, the tensor-parallel group, ...). bmtwrap shards parameters over its shard groups
 (every rank unless ``init_distributed(shard_size=...)``), so the communicators of ZeRO groups
 (``zero_comm``, ``pp_zero_comm``, ``tp_zero_comm``, ``pp_tp_zero_comm``) run over the shard group; with
-pipeline and tensor-parallel sizes of 1 that is BMTrain's layout exactly.
+pipeline and tensor-parallel sizes of 1 that is BMTrain's layout exactly. With ``init_distributed(tp_size=T)``
+the shard group is BMTrain's tp_zero group (``tp_zero_comm``, ``pp_tp_zero_comm``), ``tp_comm`` runs over the
+tensor-parallel group, and ``zero_comm``, ``pp_zero_comm`` over every rank, as in BMTrain.
 """
 
 from __future__ import annotations
@@ -199,6 +201,8 @@ class Communicator:
             return ctx.group
         if self.ranks == ctx.shard_peers and ctx.shard_size > 1:
             return ctx.shard_group
+        if ctx.tp_size > 1 and self.ranks == current_topology().ranks("tp"):
+            return ctx.tp_group
         assert self.ranks == (ctx.rank,), f"rank {ctx.rank}: no process group for the ranks {self.ranks}"
         if "self" not in ctx.subgroups:
             ctx.subgroups["self"] = dist.new_group([ctx.rank], use_local_synchronization=True)
@@ -240,9 +244,10 @@ def as_communicator(comm: Any, caller: str) -> Communicator:
 
 
 def current_topology() -> Topology:
-    """This process's :class:`Topology` (``bmt.config["topology"]``): pipeline and tensor-parallel sizes of 1."""
+    """This process's :class:`Topology` (``bmt.config["topology"]``): a pipeline size of 1, ``init_distributed``'s
+    ``tp_size``."""
     ctx = _dist.current()
-    return Topology(rank=ctx.rank, world_size=ctx.world_size)
+    return Topology(rank=ctx.rank, world_size=ctx.world_size, tp_size=ctx.tp_size)
 
 
 def config_communicator(key: str) -> Communicator:
@@ -251,6 +256,8 @@ def config_communicator(key: str) -> Communicator:
     kind = CONFIG_COMMS[key]
     if kind is None:
         ranks: Tuple[int, ...] = tuple(range(ctx.world_size))
+    elif kind in ("zero", "pp_zero") and ctx.tp_size > 1:
+        ranks = tuple(range(ctx.world_size))  # BMTrain's ZeRO group of every rank (the stage's, of one stage)
     elif kind.endswith("zero"):
         # Parameters are sharded over the shard group; with pipe and tp sizes of 1 BMTrain's ZeRO groups
         # are every rank, which the shard group is unless init_distributed(shard_size=...) made it smaller.

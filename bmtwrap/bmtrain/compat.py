@@ -46,6 +46,12 @@ _ALIASES: Mapping[str, str] = MappingProxyType({
     "bmtrain.loss._function": "bmtwrap.loss",
     "bmtrain.optim": "bmtwrap.optim",
     "bmtrain.nn": "bmtwrap.bmtrain.nn",
+    # BMTrain's files of the tensor-parallel layers, one module here.
+    "bmtrain.nn.column_parallel_linear": "bmtwrap.bmtrain.nn.parallel",
+    "bmtrain.nn.row_parallel_linear": "bmtwrap.bmtrain.nn.parallel",
+    "bmtrain.nn.parallel_embedding": "bmtwrap.bmtrain.nn.parallel",
+    "bmtrain.nn.parallel_projection": "bmtwrap.bmtrain.nn.parallel",
+    "bmtrain.nn.parallel_linear_func": "bmtwrap.bmtrain.nn.parallel",
     "bmtrain.wrapper": "bmtwrap.wrap",
 })
 # Names BMTrain's module has that bmtwrap keeps elsewhere: (alias, name) -> (module, name).

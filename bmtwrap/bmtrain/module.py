@@ -114,8 +114,10 @@ def init_parameters(model: nn.Module) -> None:
             if not isinstance(param, DistributedParameter) or id(param) in seen or param._init_method is None:
                 continue
             seen.add(id(param))
-            full = torch.empty(param._original_shape, dtype=param.dtype, device=ctx.device)
+            full = torch.empty(param.tp_full_shape(ctx.tp_size), dtype=param.dtype, device=ctx.device)
             param._init_method(full)
+            if param.tp_split_dim is not None:  # this rank's slice of the tensor-parallel parameter
+                full = full.chunk(ctx.tp_size, dim=param.tp_split_dim)[ctx.tp_rank]
             buffer, index = eng.registry.buffer_of(ctx, param)
             piece = buffer.layout.piece(index, ctx.shard_rank)
             param.copy_(full.reshape(-1)[piece.param_start : piece.param_end])

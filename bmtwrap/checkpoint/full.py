@@ -70,6 +70,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..engine.dist import DistContext
+from ..engine.full_state import tp_cut, tp_full_shape, tp_join
 from ..engine.group import FlatBuffer
 from ..engine.schedule import engine
 from ..wrap.materialize import restore_buffers
@@ -95,7 +96,7 @@ _LIST_AT_MOST = 20  # names listed per problem in an error message
 def _full_shape(value: torch.Tensor) -> torch.Size:
     eng = engine()
     if isinstance(value, nn.Parameter) and eng.registry.is_sharded(value):
-        return eng.registry.slot_of(eng.ctx, value)[1].shape
+        return tp_full_shape(eng.registry.slot_of(eng.ctx, value)[1])
     return value.shape
 
 
@@ -295,7 +296,10 @@ def _plan_reads(model_state: Mapping[str, torch.Tensor], keys: Sequence[str]) ->
         target = model_state[key]
         if isinstance(target, nn.Parameter) and eng.registry.is_sharded(target):
             buffer, slot = eng.registry.slot_of(eng.ctx, target)
-            reads.append(_Read(key, slot.piece.param_start, slot.piece.param_end, buffer))
+            if tp_full_shape(slot) != slot.shape:  # split by tensor parallelism: read whole, cut in _copy_into
+                reads.append(_Read(key, 0, tp_full_shape(slot).numel(), buffer))
+            else:
+                reads.append(_Read(key, slot.piece.param_start, slot.piece.param_end, buffer))
         else:
             reads.append(_Read(key, 0, target.numel(), None))
     return reads
@@ -307,7 +311,11 @@ def _copy_into(model_state: Mapping[str, torch.Tensor], source: _Source, reads: 
     for key, start, end, buffer in reads:
         target = model_state[key]
         if buffer is not None:
-            if end > start:
+            slot = buffer.slots[[id(s.param) for s in buffer.slots].index(id(target))]
+            if tp_full_shape(slot) != slot.shape:
+                piece = tp_cut(target, source.read(key)).reshape(-1)[slot.piece.param_start : slot.piece.param_end]
+                target.copy_(piece.to(device=target.device, dtype=target.dtype))
+            elif end > start:
                 target.copy_(source.read_range(key, start, end).to(device=target.device, dtype=target.dtype))
             buffer.initialized = True
         else:
@@ -455,7 +463,7 @@ def _plan_save(model: nn.Module) -> Tuple[List[_Entry], List[_Unit]]:
                                       "bmtwrap.save writes tensors only; save that state separately")
         if isinstance(value, nn.Parameter) and eng.registry.is_sharded(value):
             buffer, slot = eng.registry.slot_of(eng.ctx, value)
-            entry = _Entry(key, slot.shape, value.dtype, id(value), slot, None)
+            entry = _Entry(key, tp_full_shape(slot), value.dtype, id(value), slot, None)
             unit = by_buffer.get(id(buffer))
             if unit is None:
                 unit = by_buffer[id(buffer)] = _Unit(buffer)
@@ -486,11 +494,16 @@ def _host_values(units: Sequence[_Unit], ctx: DistContext,
             (entry,) = unit.entries
             yield entry, (entry.value.to("cpu") if on_host else None)
             continue
-        with buffer.gathered() as flat:
+        with buffer.gathered() as gathered:
+            flat = gathered
             if on_host and staging is not None:
                 flat = staging[: flat.numel() * flat.element_size()].view(flat.dtype).copy_(flat)
             for entry in unit.entries:
-                yield entry, (entry.slot.view_in(flat) if on_host else None)
+                if tp_full_shape(entry.slot) != entry.slot.shape:  # every rank of the group joins the slices
+                    value = tp_join(entry.slot, entry.slot.view_in(gathered))
+                    yield entry, (value.to("cpu") if on_host else None)
+                else:
+                    yield entry, (entry.slot.view_in(flat) if on_host else None)
 
 
 # --- public: save -------------------------------------------------------------------------------

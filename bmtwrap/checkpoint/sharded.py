@@ -109,6 +109,14 @@ def _as_schedulers(lr_scheduler: Any) -> List[Any]:
 # --- saving ---------------------------------------------------------------------------------------
 
 
+def _refuse_tensor_parallel(ctx: DistContext) -> None:
+    # TODO: each rank's file would need its tensor-parallel place; waits for a layout that records it.
+    if ctx.tp_size > 1:
+        raise NotImplementedError(
+            f"sharded checkpoints with init_distributed(tp_size={ctx.tp_size}) are not supported: save the model "
+            "with bmt.save (whole tensors, loaded at any layout) and the optimizers per rank with torch.save")
+
+
 def _written_here(targets: Dict[str, _Target], ctx: DistContext) -> Set[int]:
     """The sharded tensors (ids) whose pieces this rank writes, with their optimizer state.
 
@@ -262,6 +270,7 @@ def save_checkpoint(folder: PathLike, model: nn.Module, optimizer: OptimizerArg 
         bmtwrap.checkpoint.sharded.save_checkpoint("ckpt", model, manager, step=step, extra={"epoch": epoch})
     """
     ctx = engine().ctx
+    _refuse_tensor_parallel(ctx)
     folder = Path(folder)
     optimizers, manager = _as_optimizers(optimizer)
     schedulers = _as_schedulers(lr_scheduler)
@@ -539,6 +548,7 @@ def load_checkpoint(folder: PathLike, model: nn.Module, optimizer: OptimizerArg 
         start_step = info.step + 1
     """
     ctx = engine().ctx
+    _refuse_tensor_parallel(ctx)
     folder = Path(folder)
     optimizers, manager = _as_optimizers(optimizer)
     schedulers = _as_schedulers(lr_scheduler)

@@ -30,7 +30,7 @@ node) makes no sub-group and runs exactly as before: one reduce-scatter over the
 from __future__ import annotations
 
 import zlib
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,7 @@ import torch.distributed as dist
 from .dist import DistContext
 from .watchdog import CollectiveError, Operation, Peers, Watchdog, describe
 
-__all__ = ["Pending", "agree", "all_gather", "reduce_scatter_mean", "all_reduce_mean", "traffic"]
+__all__ = ["Pending", "agree", "all_gather", "reduce_scatter_mean", "all_reduce_mean", "tp_sum", "traffic"]
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -176,6 +176,21 @@ def reduce_scatter_mean(ctx: DistContext, shard: torch.Tensor, full: torch.Tenso
         return _issue(ctx, ("all-reduce", f"{label} over replicas"), lambda: Pending(
             dist.all_reduce(shard, op=op, group=ctx.replica_group, async_op=True), shard, divisor),
             ctx.replica_peers)
+
+
+def tp_sum(ctx: DistContext, full: torch.Tensor, keep: Sequence[Tuple[int, int]]) -> None:
+    """Sum ``full`` (a flat gradient buffer) over the tensor-parallel group, in place, except the ``keep``
+    ranges ``[start, end)``: the gradients of BMTrain's ``tp_mode`` parameters (see [Note: tensor
+    parallelism] in ``bmtwrap/engine/tp.py``). Blocking.
+    """
+    kept = [full[start:end].clone() for start, end in keep]
+    _count(ctx, "all-reduce over the tensor-parallel group", full.numel() * full.element_size(), ctx.tp_size,
+           factor=2)
+    _issue(ctx, ("all-reduce", "gradient over the tensor-parallel group"), lambda: Pending(
+        dist.all_reduce(full, op=dist.ReduceOp.SUM, group=ctx.tp_group, async_op=True), full),
+        tuple(range(ctx.rank - ctx.tp_rank, ctx.rank - ctx.tp_rank + ctx.tp_size))).wait()
+    for (start, end), value in zip(keep, kept):
+        full[start:end].copy_(value)
 
 
 def all_reduce_mean(ctx: DistContext, tensor: torch.Tensor, *, label: str = "") -> Pending:

@@ -69,6 +69,8 @@ class DistContext:
         shard_size: the ranks one parameter is sharded over (see [Note: hybrid sharding]): groups of
             ``shard_size`` consecutive ranks each hold the whole model in shards, and the groups
             replicate each other. ``world_size`` (the default) shards over every rank.
+        tp_size: ranks of one tensor-parallel group (``init_distributed(tp_size=...)``; see [Note: tensor
+            parallelism] in ``tp.py``); parameters are then sharded over ``shard_size = world_size // tp_size``.
         traffic: what the engine's collectives moved since the last reset (``collectives.traffic``).
         local_rank: rank on this host; picks the CUDA device.
         device: where parameters, gathers and reductions live (``cuda:<local_rank>`` or ``cpu``).
@@ -101,6 +103,7 @@ class DistContext:
     debug_values: Dict[str, Any] = field(default_factory=dict, repr=False)
     watchdog: Optional[Watchdog] = field(default=None, repr=False)
     shard_size: int = 0  # 0: world_size (set in __post_init__)
+    tp_size: int = 1
     # What the engine's collectives moved: {operation: [calls, bytes each rank sent]} (see collectives.traffic).
     traffic: Dict[str, List[float]] = field(default_factory=dict, repr=False)
     # The sub-groups of a hybrid layout (None where the world group or no group serves): see shard_group; and
@@ -114,12 +117,13 @@ class DistContext:
     @property
     def shard_rank(self) -> int:
         """This rank's place in its shard group: which piece of each flat buffer it holds."""
-        return self.rank % self.shard_size
+        return (self.rank // self.tp_size) % self.shard_size
 
     @property
     def replicas(self) -> int:
-        """How many shard groups hold the model: ``world_size // shard_size``."""
-        return self.world_size // self.shard_size
+        """How many shard groups hold the same shards: ``world_size // shard_size``, divided by ``tp_size``
+        (the shard groups of different tensor-parallel places hold different slices: none replicates another)."""
+        return self.world_size // (self.shard_size * self.tp_size)
 
     @property
     def shard_group(self) -> Optional[dist.ProcessGroup]:
@@ -142,14 +146,26 @@ class DistContext:
         """The global ranks of :attr:`shard_group`, this one included; ``None`` when it is the world."""
         if self.shard_size == self.world_size:
             return None
+        if self.tp_size > 1:  # the ranks with this tensor-parallel place (BMTrain's tp_zero group)
+            return tuple(range(self.rank % self.tp_size, self.world_size, self.tp_size))
         return tuple(_shard_groups(self.world_size, self.shard_size)[self.rank // self.shard_size])
 
     @functools.cached_property
     def replica_peers(self) -> Optional[Tuple[int, ...]]:
         """The global ranks of :attr:`replica_group`, this one included; ``None`` when it is the world."""
-        if self.shard_size == 1:
+        if self.shard_size == 1 or self.replicas == 1:
             return None
         return tuple(_replica_groups(self.world_size, self.shard_size)[self.shard_rank])
+
+    @property
+    def tp_group(self) -> Optional[dist.ProcessGroup]:
+        """This rank's tensor-parallel group (``tp_size`` consecutive ranks); ``None`` when ``tp_size`` is 1."""
+        return None if self.tp_size == 1 else self.subgroups.get("tp") or self.group
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's place in its tensor-parallel group: which slice of a tensor-parallel parameter it holds."""
+        return self.rank % self.tp_size
 
     def copy_stream(self, direction: str) -> "torch.cuda.Stream":
         """The stream of ``direction``'s copies ("to_device" or "to_host") on this CUDA device, made on first use.
@@ -304,8 +320,11 @@ def init_distributed(
             else one node's ranks when the job spans several nodes and every rank otherwise.
         pipe_size: BMTrain's pipeline size, accepted for compatibility; above 1 raises
             ``NotImplementedError`` (there is no pipeline parallelism).
-        tp_size: BMTrain's tensor-parallel size, accepted for compatibility; above 1 raises
-            ``NotImplementedError`` (there is no tensor parallelism).
+        tp_size: BMTrain's tensor-parallel size: groups of this many consecutive ranks split the
+            parameters made with ``DistributedParameter(tp_mode=True)`` (``bmt.nn.ColumnParallelLinear``
+            and the others), and every parameter is sharded (ZeRO) over the ranks with the same place
+            in their group, ``world_size // tp_size`` of them (BMTrain's ``tp_zero_comm``). Must divide
+            the world size; ``shard_size`` cannot be combined with it.
         num_micro_batches: BMTrain's pipeline option, accepted for compatibility and ignored.
         sp_size: BMTrain's sequence-parallel size, accepted for compatibility; above 1 raises
             ``NotImplementedError`` (there is no sequence parallelism).
@@ -320,7 +339,7 @@ def init_distributed(
         TypeError: ``timeout`` neither a ``timedelta`` nor a number of seconds.
         RuntimeError: ``LOCAL_RANK`` names a GPU this process cannot see (more processes than GPUs);
             ``RANK`` and ``WORLD_SIZE`` set without ``MASTER_ADDR`` or ``MASTER_PORT`` (not under torchrun).
-        NotImplementedError: ``pipe_size``, ``tp_size`` or ``sp_size`` above 1.
+        NotImplementedError: ``pipe_size`` or ``sp_size`` above 1; ``shard_size`` with ``tp_size`` above 1.
 
     Example::
 
@@ -335,11 +354,17 @@ def init_distributed(
         raise ValueError(f"zero_level must be 2 or 3, got {zero_level!r}")
     if backend not in (None, "nccl", "gloo"):
         raise ValueError(f"backend must be 'nccl', 'gloo' or None, got {backend!r}")
-    if pipe_size > 1 or tp_size > 1 or sp_size > 1:
+    if pipe_size > 1 or sp_size > 1:
         raise NotImplementedError(
-            f"pipeline, tensor and sequence parallelism are not supported (pipe_size={pipe_size}, "
-            f"tp_size={tp_size}, sp_size={sp_size}); bmtwrap shards parameters over all ranks (ZeRO)"
+            f"pipeline and sequence parallelism are not supported (pipe_size={pipe_size}, sp_size={sp_size}); "
+            "bmtwrap shards parameters over all ranks (ZeRO), with tensor parallelism by tp_size"
         )
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size must be a whole number of ranks >= 1, got {tp_size!r}")
+    if tp_size > 1 and shard_size is not None:
+        raise NotImplementedError(
+            f"init_distributed(shard_size={shard_size!r}) with tp_size={tp_size}: with tensor parallelism "
+            "parameters are sharded over the ranks with the same tensor-parallel place; leave shard_size out")
     del num_micro_batches  # BMTrain's pipeline option; nothing to do without pipelines
     wait_limit = _check_timeout(timeout)
     if is_initialized():
@@ -376,7 +401,10 @@ def init_distributed(
                           f"was initialised before, with a timeout of {wait_limit.total_seconds():g} s; pass the "
                           "timeout to init_process_group instead", stacklevel=2)
     world = dist.get_world_size()
-    shards = _agreed_shard_size(_resolve_shard_size(shard_size, world), device)
+    if world % tp_size:
+        raise ValueError(f"tp_size={tp_size} must divide the world size {world}; start a multiple of "
+                         f"{tp_size} processes")
+    shards = world // tp_size if tp_size > 1 else _agreed_shard_size(_resolve_shard_size(shard_size, world), device)
     _CONTEXT = DistContext(
         rank=dist.get_rank(),
         world_size=world,
@@ -386,7 +414,9 @@ def init_distributed(
         seed=seed,
         timeout=wait_limit,
         shard_size=shards,
-        subgroups=_make_subgroups(world, shards, wait_limit),
+        tp_size=tp_size,
+        subgroups=(_tp_subgroups if tp_size > 1 else _make_subgroups)(world, tp_size if tp_size > 1 else shards,
+                                                                       wait_limit),
     )
     if _CONTEXT.world_size > 1:
         _CONTEXT.watchdog = Watchdog(default_store(), _CONTEXT.rank, _CONTEXT.world_size, wait_limit,
@@ -449,6 +479,15 @@ def _make_subgroups(world: int, shards: int, wait_limit: datetime.timedelta) -> 
     shard, _ = dist.new_subgroups_by_enumeration(_shard_groups(world, shards), timeout=wait_limit)
     replica, _ = dist.new_subgroups_by_enumeration(_replica_groups(world, shards), timeout=wait_limit)
     return {"shard": shard, "replica": replica}
+
+
+def _tp_subgroups(world: int, tp_size: int, wait_limit: datetime.timedelta) -> Dict[str, Any]:
+    """``"tp"``: groups of ``tp_size`` consecutive ranks; ``"shard"``: the ranks with one place in theirs (tp_zero)."""
+    if tp_size == world:
+        return {}
+    tp, _ = dist.new_subgroups_by_enumeration(_shard_groups(world, tp_size), timeout=wait_limit)
+    shard, _ = dist.new_subgroups_by_enumeration(_replica_groups(world, tp_size), timeout=wait_limit)
+    return {"tp": tp, "shard": shard}
 
 
 def _shard_groups(world: int, shards: int) -> List[List[int]]:

@@ -33,13 +33,41 @@ from torch import nn
 
 from .collectives import all_gather
 from .group import FlatBuffer, ParamSlot
+from .param import DistributedParameter
+from .tp import gather_along
 from .schedule import engine
 
 __all__ = ["full_grad_dict", "full_state_dict", "gather_full_tensors", "register_full_state_dict",
-           "shard_full_tensors"]
+           "shard_full_tensors", "tp_full_shape", "tp_join", "tp_cut"]
 
 # (module, key prefix) -> (state-dict key, parameter) for the parameters under the module.
 NamedParams = Callable[[nn.Module, str], Iterable[Tuple[str, nn.Parameter]]]
+
+
+def _split_dim(param: nn.Parameter) -> Optional[int]:
+    return param.tp_split_dim if isinstance(param, DistributedParameter) else None
+
+
+def tp_full_shape(slot: ParamSlot) -> torch.Size:
+    """The shape of ``slot``'s parameter whole: joined over the tensor-parallel group where it is split."""
+    param = slot.param
+    return param.tp_full_shape(engine().ctx.tp_size) if _split_dim(param) is not None else slot.shape
+
+
+def tp_join(slot: ParamSlot, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (``slot``'s parameter at the shape this rank holds) joined over the tensor-parallel group where the
+    parameter is split (a collective of the group; see [Note: tensor parallelism] in ``tp.py``), else itself."""
+    dim = _split_dim(slot.param)
+    return value if dim is None else gather_along(value, dim)
+
+
+def tp_cut(param: nn.Parameter, value: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of the whole ``value`` of a parameter split by tensor parallelism (else ``value``)."""
+    dim = _split_dim(param)
+    if dim is None or tuple(value.shape) != tuple(param.tp_full_shape(engine().ctx.tp_size)):
+        return value
+    ctx = engine().ctx
+    return value.chunk(ctx.tp_size, dim=dim)[ctx.tp_rank]
 
 
 def _named_parameters(module: nn.Module, prefix: str) -> Iterable[Tuple[str, nn.Parameter]]:
@@ -59,13 +87,13 @@ def shard_full_tensors(module: nn.Module, state_dict: Dict[str, Any], prefix: st
         if key not in state_dict or not eng.registry.is_sharded(param):
             continue
         buffer, slot = eng.registry.slot_of(eng.ctx, param)
-        value = state_dict[key]
+        value = tp_cut(param, state_dict[key])
         if tuple(value.shape) == tuple(slot.shape):
             state_dict[key] = value.reshape(-1)[slot.piece.param_start : slot.piece.param_end]
             buffer.initialized = True
         elif tuple(value.shape) != tuple(param.shape):
             error_msgs.append(f"size mismatch for {key.replace('_module.', '')}: the checkpoint has shape "
-                              f"{tuple(value.shape)}, the model {tuple(slot.shape)}")
+                              f"{tuple(value.shape)}, the model {tuple(tp_full_shape(slot))}")
             state_dict[key] = param.detach()  # reported above; keep torch from reporting the local shape too
 
 
@@ -91,7 +119,7 @@ def gather_full_tensors(named: NamedParams, module: nn.Module, state_dict: Dict[
     for buffer, entries in by_buffer.values():
         with buffer.gathered() as flat:
             for key, slot in entries:
-                state_dict[key] = slot.view_in(flat).to("cpu", copy=True)
+                state_dict[key] = tp_join(slot, slot.view_in(flat)).to("cpu", copy=True)
 
 
 def register_full_state_dict(module: nn.Module, named: NamedParams = _named_parameters) -> Any:
@@ -135,7 +163,7 @@ def full_state_dict(model: nn.Module, *, with_buffers: bool = True,
     for buffer, names in by_buffer.values():
         with buffer.gathered() as flat:
             for name, slot in names:
-                gathered[name] = slot.view_in(flat).clone()
+                gathered[name] = tp_join(slot, slot.view_in(flat)).clone()
     out: Dict[str, torch.Tensor] = {}
     for name, value in entries.items():
         if name in gathered:
@@ -170,5 +198,5 @@ def full_grad_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
             full = torch.empty(buffer.layout.padded_total, dtype=buffer.dtype, device=shard.device)
             all_gather(ctx, full, shard).wait()
             gathered[id(buffer)] = full
-        out[key] = slot.view_in(gathered[id(buffer)]).clone()
+        out[key] = tp_join(slot, slot.view_in(gathered[id(buffer)])).clone()
     return out

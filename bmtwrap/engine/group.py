@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from .collectives import Pending, all_gather, reduce_scatter_mean
+from .collectives import Pending, all_gather, reduce_scatter_mean, tp_sum
 from .dist import DistContext
 from .offload import OffloadPolicy, host_empty
 from .param import DistributedParameter, FlatLayout, LocalPiece
@@ -290,6 +290,9 @@ class FlatBuffer:
                 target.copy_(grad.reshape(-1))
         for start, end in self._gaps:
             full_grad[start:end].zero_()
+        if self.ctx.tp_size > 1:
+            tp_sum(self.ctx, full_grad, [(s.offset, s.offset + s.numel) for s in self.slots
+                                         if isinstance(s.param, DistributedParameter) and s.param.tp_mode])
         shard = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=self.ctx.device)
         with record_function(f"bmtwrap.reduce_scatter:{self.label}"):
             pending = reduce_scatter_mean(self.ctx, shard, full_grad, label=self.label)

@@ -132,20 +132,25 @@ class DistributedParameter(torch.nn.Parameter):
         requires_grad: whether it is trained.
         init_method: called as ``init_method(full_tensor)`` by :func:`bmtwrap.init_parameters`.
         group: BMTrain's optional name of a parameter group; kept for compatibility.
-        tp_mode: BMTrain's tensor-parallel switch; only ``False`` is supported.
-        tp_split_dim: BMTrain's tensor-parallel split dimension; accepted and ignored.
+        tp_mode: BMTrain's tensor-parallel switch: ``data`` is this rank's slice of a parameter split over
+            the tensor-parallel group (``init_distributed(tp_size=...)``), or, with ``tp_split_dim`` below
+            0, a parameter every rank of the group holds whole. Either way it is sharded over the ranks
+            with the same tensor-parallel place.
+        tp_split_dim: with ``tp_mode``, the dimension the full parameter is split along (BMTrain's -1: none).
 
     Raises:
         TypeError: ``data`` is not a tensor.
         RuntimeError: :func:`bmtwrap.init_distributed` was not called.
-        NotImplementedError: ``tp_mode=True``.
+        ValueError: ``tp_split_dim`` not a dimension of ``data``.
 
     Example::
 
         self.weight = bmt.DistributedParameter(torch.empty(out_f, in_f), init_method=torch.nn.init.xavier_normal_)
     """
 
-    _original_shape: torch.Size
+    _original_shape: torch.Size  # this rank's slice when split by tensor parallelism
+    _tp_mode: bool  # BMTrain's tp_mode under tp_size > 1: its gradient is not summed over the tensor-parallel group
+    _tp_split_dim: Optional[int]  # the dimension tensor parallelism splits it along; None: not split
     _init_method: Optional[Callable[[torch.Tensor], None]]
     _group: Optional[str]
     # (layout, local shard) while the parameter is sharded on its own; None once a block owns it.
@@ -163,9 +168,9 @@ class DistributedParameter(torch.nn.Parameter):
     ) -> "DistributedParameter":
         if not isinstance(data, torch.Tensor):
             raise TypeError(f"DistributedParameter expects a tensor, got {type(data).__name__}")
-        if tp_mode:
-            raise NotImplementedError("tensor parallelism (tp_mode=True) is not supported")
-        del tp_split_dim
+        if tp_mode and tp_split_dim >= data.dim():
+            raise ValueError(f"DistributedParameter: tp_split_dim={tp_split_dim} is not a dimension of a tensor of "
+                             f"shape {tuple(data.shape)}; give one below {data.dim()}, or -1 for no split")
         ctx = _dist.current()
         device = ctx.device if data.device.type in ("cpu", "meta") else data.device
         layout = build_layout([data.numel()], ctx.shard_size, data.element_size())
@@ -177,11 +182,30 @@ class DistributedParameter(torch.nn.Parameter):
         view = local[piece.shard_start : piece.shard_end]
         self = torch.Tensor._make_subclass(cls, view, requires_grad)
         self._original_shape = data.shape
+        self._tp_mode = bool(tp_mode) and ctx.tp_size > 1
+        self._tp_split_dim = tp_split_dim if self._tp_mode and tp_split_dim >= 0 else None
         self._init_method = init_method
         self._group = group
         self._standalone = (layout, local)
         self._lone_buffer = None
         return self
+
+    @property
+    def tp_mode(self) -> bool:
+        """Whether it was made with ``tp_mode=True`` under ``init_distributed(tp_size>1)``."""
+        return self._tp_mode
+
+    @property
+    def tp_split_dim(self) -> Optional[int]:
+        """The dimension its full value is split along over the tensor-parallel group; ``None`` when not split."""
+        return self._tp_split_dim
+
+    def tp_full_shape(self, tp_size: int) -> torch.Size:
+        """The shape of the full value: ``_original_shape`` with the split dimension ``tp_size`` times longer."""
+        shape = list(self._original_shape)
+        if self._tp_split_dim is not None:
+            shape[self._tp_split_dim] *= tp_size
+        return torch.Size(shape)
 
     @property
     def group(self) -> Optional[str]:

@@ -358,7 +358,8 @@ class RootRunner:
     def _average_replicated(self, grad: torch.Tensor) -> torch.Tensor:
         averaged = grad.clone()
         all_reduce_mean(self._engine.ctx, averaged).wait()
-        return averaged
+        # Under tensor parallelism the true gradient is the sum over the group (see [Note: tensor parallelism]).
+        return averaged.mul_(self._engine.ctx.tp_size) if self._engine.ctx.tp_size > 1 else averaged
 
     def enter(self) -> bool:
         """Start of a forward: gather and show full parameters. Not inside a block, nor when a running root

@@ -303,8 +303,9 @@ def grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.T
         for p in sharded:
             if p.numel():
                 local = torch.maximum(local, grad_of(p).abs().max().float().to(ctx.device))
-        if ctx.shard_size > 1:  # one shard group holds every piece once (see [Note: hybrid sharding])
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=ctx.shard_group)
+        if ctx.shard_size > 1 or ctx.tp_size > 1:  # one shard group holds every piece once (see [Note: hybrid
+            # sharding]); the tensor-parallel group's hold different slices (see [Note: tensor parallelism])
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=ctx.shard_group if ctx.tp_size == 1 else ctx.group)
         for p in replicated:
             if p.numel():
                 local = torch.maximum(local, grad_of(p).abs().max().float().to(ctx.device))
@@ -321,9 +322,14 @@ def grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.T
                 acc += norm_term(grad_of(p), norm_type).to(ctx.device)
         return acc
 
-    local = power_sum(sharded)
+    split = [p for p in sharded if getattr(p, "tp_split_dim", None) is not None]
+    local = power_sum([p for p in sharded if getattr(p, "tp_split_dim", None) is None])
     if ctx.shard_size > 1:  # over one shard group: the replicas' pieces are the same ones again
         dist.all_reduce(local, op=dist.ReduceOp.SUM, group=ctx.shard_group)
+    if split:  # slices split by tensor parallelism: every rank holds different pieces
+        split_sum = power_sum(split)
+        dist.all_reduce(split_sum, op=dist.ReduceOp.SUM, group=ctx.group)
+        local = local + split_sum
     return (local + power_sum(replicated)) ** (1.0 / norm_type)
 
 

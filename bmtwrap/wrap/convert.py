@@ -419,6 +419,12 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
     if not isinstance(keep_logits, bool):
         raise ValueError(f"keep_logits must be True or False, got {keep_logits!r}")
     ctx = _dist.current() if _dist.is_initialized() else _dist.init_distributed()
+    if ctx.tp_size > 1:
+        # Its layers are not split: each rank of a tensor-parallel group would train a copy on the same rows.
+        raise NotImplementedError(
+            f"wrap() under init_distributed(tp_size={ctx.tp_size}) is not supported: tensor parallelism splits only "
+            "the layers of bmt.nn (ColumnParallelLinear, RowParallelLinear, VPEmbedding); build the model from "
+            "them, or leave tp_size out and let wrap() shard the model over every rank")
     compile_with = compile_options(compile, ctx.device)
     eng = engine(ctx)
     compared = compile if isinstance(compile, (bool, str)) else tuple(sorted(compile_with.items()))

@@ -12,9 +12,10 @@ import torch
 import bmtwrap as bmt
 
 
-def run(cases: Dict[str, Callable[[], Dict[str, Any]]]) -> None:
-    """Run every case on every rank; rank 0 writes {name: result or {"error": text}} to argv[1]."""
-    bmt.init_distributed(seed=0)
+def run(cases: Dict[str, Callable[[], Dict[str, Any]]], **init: Any) -> None:
+    """Run every case on every rank; rank 0 writes {name: result or {"error": text}} to argv[1].
+    ``init``: more arguments of ``init_distributed`` (``tp_size=2``)."""
+    bmt.init_distributed(seed=0, **init)
     results: Dict[str, Any] = {}
     for name, case in cases.items():
         try:

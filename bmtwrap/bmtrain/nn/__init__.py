@@ -1,11 +1,10 @@
-"""BMTrain's ``bmt.nn`` layers: :class:`Linear` and :class:`OpLinear`.
-
-The tensor-parallel layers BMTrain also lists (``ColumnParallelLinear``, ``RowParallelLinear``,
-``VPEmbedding``, ``OpParallelLinear``) exist by name and raise ``NotImplementedError``: bmtwrap
-shards with ZeRO over all ranks and has no tensor parallelism.
+"""BMTrain's ``bmt.nn`` layers: :class:`Linear` and :class:`OpLinear`, and the tensor-parallel
+:class:`ColumnParallelLinear`, :class:`RowParallelLinear`, :class:`VPEmbedding`, :class:`VPProjection`
+and :class:`OpParallelLinear` (``init_distributed(tp_size=...)``).
 """
 
 from .linear import Linear, OpLinear
-from .parallel import ColumnParallelLinear, OpParallelLinear, RowParallelLinear, VPEmbedding
+from .parallel import ColumnParallelLinear, OpParallelLinear, ReduceType, RowParallelLinear, VPEmbedding, VPProjection
 
-__all__ = ["ColumnParallelLinear", "Linear", "OpLinear", "OpParallelLinear", "RowParallelLinear", "VPEmbedding"]
+__all__ = ["ColumnParallelLinear", "Linear", "OpLinear", "OpParallelLinear", "ReduceType", "RowParallelLinear",
+           "VPEmbedding", "VPProjection"]
