@@ -38,8 +38,8 @@ import torch.distributed as dist
 
 from . import dist as _dist
 
-__all__ = ["gather_along", "gather_rows", "gather_rows_split_columns", "reduce_scatter_rows", "all_reduce_whole", "copy_whole",
-           "gather_columns", "parallel_cross_entropy"]
+__all__ = ["all_reduce_whole", "copy_whole", "gather_along", "gather_columns", "gather_rows", "gather_rows_split_columns",
+           "parallel_cross_entropy", "reduce_scatter_rows"]
 
 
 def _size() -> int:

@@ -2,8 +2,8 @@
 
 Each case trains both models for ``STEPS`` steps on the same batch: the reference on the whole batch,
 each rank of the sharded model on its share. Four steps are enough: a missed or doubled gradient shows
-from the first, a stale gather or optimizer state from the second, and a resume is checked halfway. Argument 2 (optional): "cpu" (default, fp32) or
-"cuda-bf16" for the GPU run.
+from the first, a stale gather or optimizer state from the second, and a resume is checked halfway.
+Argument 2 (optional): "cpu" (default, fp32) or "cuda-bf16" for the GPU run.
 """
 
 from __future__ import annotations

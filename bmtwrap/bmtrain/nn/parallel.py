@@ -217,7 +217,8 @@ class VPEmbedding(DistributedModule):
         self.dim_model = embedding_size
         self.vocab_size_per_partition = _slice_of(vocab_size, "vocab_size", type(self).__name__)
         rank = _dist.current().tp_rank
-        self.start_index, self.end_index = rank * self.vocab_size_per_partition, (rank + 1) * self.vocab_size_per_partition
+        self.start_index = rank * self.vocab_size_per_partition
+        self.end_index = (rank + 1) * self.vocab_size_per_partition
         self.weight = DistributedParameter(
             torch.empty(self.vocab_size_per_partition, embedding_size, dtype=dtype, device="meta"),
             init_method=ParameterInitializer(torch.nn.init.normal_, mean=init_mean, std=init_std),
