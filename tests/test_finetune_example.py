@@ -126,16 +126,22 @@ def test_plain_transformers_loads_the_export_and_generates_the_same_sample(full_
     assert s["reloaded_check_loss"] == pytest.approx(s["check_loss"], rel=1e-5)
 
 
+def _as_a_terminal_job() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.nice(10)
+
+
 def interrupted(out: Path, after_step: int, *args: str) -> subprocess.CompletedProcess:
     """The example stopped by Ctrl-C once it has logged ``after_step``: SIGINT to its process group, as a
-    terminal sends it. The example runs at a lower priority than this process, so that on a busy machine the
-    watch here still sees the step as it is logged, not after the last one (a short run's later steps take a
-    second or so in all)."""
+    terminal sends it. It starts with SIGINT's default action, as a terminal's foreground job does, whatever
+    this process has (a shell without job control starts background jobs with SIGINT ignored, and Python
+    keeps ignoring it), and at a lower priority than this process, so that on a busy machine the watch here
+    still sees the step as it is logged, not after the last one (a short run's later steps take a second)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     begun = time.time()
     proc = subprocess.Popen([sys.executable, str(EXAMPLE), *args, "--out", str(out)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
-                            preexec_fn=lambda: os.nice(10))
+                            preexec_fn=_as_a_terminal_job)
     log = out / "log.jsonl"
     while proc.poll() is None and time.time() < begun + 300:
         if log.is_file() and log.stat().st_mtime >= begun and len(log_lines(out)) >= after_step:
