@@ -9,7 +9,7 @@ true only if true on every rank; error cases return (exception type, message) pa
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List
+from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -17,8 +17,7 @@ import torch.distributed as dist
 import bmtwrap as bmt
 from bmtwrap import nccl
 from bmtwrap.bmtrain.comm import Topology
-from bmtwrap.engine.dist import current
-from common import raised, run
+from common import on_device, raised, run
 
 OPS = ("sum", "avg", "max", "min", "prod")
 TORCH_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
@@ -230,13 +229,6 @@ def errors() -> Dict[str, Any]:
     }
     return found
 
-
-def on_device(case: Callable[[], Dict[str, Any]]) -> Callable[[], Dict[str, Any]]:
-    """``case`` making its tensors on this process's device: CUDA tensors over NCCL on GPUs, CPU tensors over gloo."""
-    def run_there() -> Dict[str, Any]:
-        with torch.device(current().device):
-            return case()
-    return run_there
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, List
 import torch
 
 import bmtwrap as bmt
+from bmtwrap.engine.dist import current
 
 
 def run(cases: Dict[str, Callable[[], Dict[str, Any]]], **init: Any) -> None:
@@ -28,6 +29,14 @@ def run(cases: Dict[str, Callable[[], Dict[str, Any]]], **init: Any) -> None:
             json.dump(results, f, indent=1)
     # Leaving gloo's threads to interpreter shutdown can abort a process on exit.
     torch.distributed.destroy_process_group()
+
+
+def on_device(case: Callable[[], Dict[str, Any]]) -> Callable[[], Dict[str, Any]]:
+    """``case`` making its tensors on this process's device: CUDA tensors over NCCL on GPUs, CPU tensors over gloo."""
+    def run_there() -> Dict[str, Any]:
+        with torch.device(current().device):
+            return case()
+    return run_there
 
 
 def raised(call: Callable[[], Any]) -> List[str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from typing import Any, Callable, Dict, List
+from typing import Any, Dict, List
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +21,7 @@ import bmtwrap as bmt
 from bmtwrap.checkpoint import save_checkpoint
 from bmtwrap.engine.dist import current
 from bmtwrap.engine.full_state import full_grad_dict
-from common import raised, run
+from common import on_device, raised, run
 
 H, FF, V, ROWS, SEQ, STEPS = 32, 64, 16, 4, 3, 3
 
@@ -278,13 +278,6 @@ def config() -> Dict[str, Any]:
             "tp_zero_comm": list(c["tp_zero_comm"].ranks), "zero_comm": list(c["zero_comm"].ranks),
             "tp_zero_size": c["tp_zero_size"], "zero_size": c["zero_size"]}
 
-
-def on_device(case: Callable[[], Dict[str, Any]]) -> Callable[[], Dict[str, Any]]:
-    """``case`` making its tensors on this process's device (CUDA over NCCL on GPUs, the CPU over gloo)."""
-    def run_there() -> Dict[str, Any]:
-        with torch.device(current().device):
-            return case()
-    return run_there
 
 
 if __name__ == "__main__":
