@@ -176,6 +176,8 @@ ROWS = [
         lambda f: bmt.wrap(wrapped(), checkpoint=False)),
     Row("wrap-model-with-blocks", ValueError, r"already contains bmtwrap Blocks",
         lambda f: bmt.wrap(nn.Sequential(bmt.Block(nn.Linear(2, 2))))),
+    Row("wrap-fp8-without-float8", RuntimeError, r"wrap\(fp8='tensorwise'\) needs a CUDA GPU with float8 tensor cores",
+        covered_by="tests/test_wrap.py::test_fp8_is_refused_without_float8_tensor_cores_and_leaves_the_model_as_it_was"),
     Row("run-meta-model-unloaded", RuntimeError, r"built on the meta device .* bmtwrap.materialize\(model\) or load",
         meta_model_run),
     Row("meta-buffer-not-computed", ValueError, r"was built on the meta device and has no value",

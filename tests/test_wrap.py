@@ -438,3 +438,32 @@ def test_a_registered_adapter_is_used_for_its_family():
         class NoBuild(ModelAdapter):
             pass
     assert type(adapter_for(nn.Linear(2, 2))) is ModelAdapter, "a class without build() claimed every model"
+
+
+def test_fp8_is_refused_without_float8_tensor_cores_and_leaves_the_model_as_it_was():
+    model = tiny_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"wrap\(fp8='tensorwise'\) needs a CUDA GPU with float8 tensor cores"):
+        bmt.wrap(model, fp8=True)
+    with pytest.raises(RuntimeError, match=r"wrap\(fp8='rowwise'\) needs a CUDA GPU"):
+        bmt.wrap(model, fp8="rowwise")
+    assert not any(type(m).__name__ == "Float8Linear" for m in model.modules())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_fp8_rejects_unknown_recipes_and_configs_for_fsdp_gathers():
+    from torchao.float8 import Float8LinearConfig
+
+    with pytest.raises(ValueError, match="fp8='fast' is not a float8 recipe; give True .tensorwise., one of"):
+        bmt.wrap(tiny_llama(), fp8="fast")
+    with pytest.raises(TypeError, match="fp8 must be True, False, a recipe name"):
+        bmt.wrap(tiny_llama(), fp8=8)
+    with pytest.raises(ValueError, match="bmtwrap gathers the weights itself"):
+        bmt.wrap(tiny_llama(), fp8=Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True))
+
+
+def test_fp8_off_leaves_every_linear_as_it_is():
+    model = bmt.wrap(tiny_llama(), fp8=False)
+    assert {type(m) for m in model.modules() if isinstance(m, nn.Linear)} == {nn.Linear}
+    assert bmt.plan(tiny_llama()).fp8 == "off"
+    assert bmt.plan(tiny_llama(), fp8="rowwise").fp8 == "rowwise: 14 of the blocks' 14 linear layers in float8"

@@ -54,3 +54,14 @@ def test_plan_bytes_are_exact(results):
     for name, figures in r.items():
         assert figures["actual"] == figures["planned"], f"world {world}, {name}: (params, grads, optimizer) {figures}"
     assert r["offload_fp32"]["state_on_gpu"] == 0, "the offload optimizer's state was planned on the GPU"
+
+
+def test_fp8_trains_like_the_unwrapped_float8_model_and_saves_its_master_weights(results):
+    """wrap(fp8=...) with torchao's emulated float8: the blocks' linears (not the head) compute in float8, the
+    sharded model trains as the unwrapped one converted alike, and its checkpoint holds the fp32 master weights."""
+    world, r = _case(results, "fp8_training")
+    assert r["converted"] == r["block_linears"] and r["converted"], r["converted"]
+    assert r["loss_max_rel"] <= 1e-5 and r["param_max_abs"] <= 1e-5, f"world {world}: {r}"
+    assert r["keys_match"] and r["saved_keys_match"] and r["saved_dtypes"] == ["torch.float32"], r
+    assert r["reload_equal"], "loading the saved file into another fp8-wrapped model changed values"
+    assert r["plan"] == "config: 21 of the blocks' 21 linear layers in float8", r["plan"]

@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 import warnings
@@ -45,6 +46,7 @@ from .adapters import ModelAdapter, adapter_for
 from .auto import AutoRecompute, auto_recompute
 from .compiled import CompileOption, compile_options, compiled_forward
 from .detect import LayerPolicy
+from .fp8 import FP8Option, check_device, convert_blocks, describe, float8_choice
 from .instance_forward import replace_forward
 from .plan import (PARAMS_SHARE, Checkpoint, OffloadOptions, WrapPlan, make_plan, offload_params_auto,
                    params_and_grads_bytes)
@@ -64,6 +66,7 @@ class WrapOptions:
     offload_params: Union[bool, str]  # as given; the plan's offload options hold what "auto" chose
     keep_logits: bool
     compile: Any  # as given: True, False, "auto", or torch.compile's options as sorted (name, value) pairs
+    fp8: Any = None  # the float8 recipe's name, a torchao config, or None when off
 
 
 class StaleBuffer(NamedTuple):
@@ -128,7 +131,8 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
          step_in_backward: Union[bool, str] = "auto",
          offload_params: Union[bool, str] = "auto",
          ranks_per_host: Optional[int] = None, max_gpu_memory: Union[int, str, None] = None,
-         keep_logits: bool = False, compile: CompileOption = "auto", shard_size: Optional[int] = None) -> WrapPlan:
+         keep_logits: bool = False, compile: CompileOption = "auto", shard_size: Optional[int] = None,
+         fp8: FP8Option = False) -> WrapPlan:
     """What :func:`wrap` would do to ``model``, without doing it (no collectives, no allocation).
 
     The memory estimate is per rank, on the GPU and on the host; its parameter, gradient and
@@ -169,6 +173,9 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
         shard_size: hybrid sharding, as ``init_distributed(shard_size=...)``: parameters, gradients and
             optimizer state sharded over this many ranks (it must divide ``world_size``); default: the
             current context's, or ``world_size``.
+        fp8: as for :func:`wrap`; the plan names the recipe and how many of the blocks' linear layers it
+            converts (the memory estimate is the same: float8 casts are transient, and the saved activations
+            and the master weights keep the model's dtype).
 
     Returns:
         A :class:`~bmtwrap.wrap.plan.WrapPlan`; ``print(plan)`` shows it as a table.
@@ -208,9 +215,12 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
         offload_params = offload_params_auto(model, world_size, budget, shard_size)
     offload = OffloadOptions(optimizer=offload_optimizer, fraction=offload_fraction, params=offload_params,
                              in_backward=step_in_backward is not False)
-    return make_plan(model, world_size, layers=layers, checkpoint=checkpoint, batch_size=batch_size,
-                     seq_len=seq_len, offload=offload, ranks_per_host=ranks_per_host, max_gpu_memory=budget,
-                     fused_loss=not keep_logits, compiled=compile is not False, shard_size=shard_size)[0]
+    choice = float8_choice(fp8)
+    the_plan, blocks, _ = make_plan(model, world_size, layers=layers, checkpoint=checkpoint, batch_size=batch_size,
+                                    seq_len=seq_len, offload=offload, ranks_per_host=ranks_per_host,
+                                    max_gpu_memory=budget, fused_loss=not keep_logits, compiled=compile is not False,
+                                    shard_size=shard_size)
+    return the_plan if choice is None else dataclasses.replace(the_plan, fp8=describe(choice, blocks))
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -330,7 +340,7 @@ def _already_wrapped(model: nn.Module, options: WrapOptions) -> Optional[nn.Modu
 def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: Checkpoint = "auto",
          zero_level: Optional[int] = None, reduce_dtype: Optional[torch.dtype] = None,
          max_gpu_memory: Union[int, str, None] = None, offload_params: Union[bool, str] = "auto",
-         keep_logits: bool = False, compile: CompileOption = "auto") -> nn.Module:
+         keep_logits: bool = False, compile: CompileOption = "auto", fp8: FP8Option = False) -> nn.Module:
     """Shard ``model`` over all ranks, in place, and return it.
 
     The repeated layers (an ``nn.ModuleList``/``nn.Sequential`` of one class, or a class a Hugging
@@ -391,6 +401,13 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
             Blocks of the same shapes share one compilation, which the first training step pays
             (a few seconds for an 8B-class layer on an H100); a block that fails to compile runs in
             eager mode with one warning. See [Note: compiled blocks] in ``bmtwrap/wrap/compiled.py``.
+        fp8: ``False`` (default): the blocks compute in the model's dtype. ``True`` (torchao's
+            ``"tensorwise"`` recipe), ``"rowwise"``, ``"rowwise_with_gw_hp"``, or a torchao
+            ``Float8LinearConfig``: the blocks' linear layers compute in float8 (torchao's float8
+            training, dynamic scaling); weights, gradients, optimizer state and checkpoints keep the
+            model's dtype, and everything outside the blocks (embeddings, output projection) too.
+            Needs a GPU with float8 tensor cores (H100, H200, L4, ...) and torchao
+            (``pip install 'bmtwrap[fp8]'``). See [Note: float8 blocks] in ``bmtwrap/wrap/fp8.py``.
 
     Returns:
         ``model`` itself. Calling ``wrap`` again on a wrapped model with the same options is a
@@ -426,10 +443,13 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
             "the layers of bmt.nn (ColumnParallelLinear, RowParallelLinear, VPEmbedding); build the model from "
             "them, or leave tp_size out and let wrap() shard the model over every rank")
     compile_with = compile_options(compile, ctx.device)
+    float8 = float8_choice(fp8)
+    if float8 is not None:
+        check_device(float8, ctx.device)
     eng = engine(ctx)
     compared = compile if isinstance(compile, (bool, str)) else tuple(sorted(compile_with.items()))
     options = WrapOptions(layers, checkpoint, zero_level or ctx.zero_level, reduce_dtype, max_gpu_memory,
-                          offload_params, keep_logits, compared)
+                          offload_params, keep_logits, compared, None if float8 is None else float8.compared)
     if _already_wrapped(model, options) is not None:
         return model
     if any(isinstance(m, BlockModule) for m in model.modules()):
@@ -441,6 +461,9 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
     the_plan, blocks, shared_ids = make_plan(model, ctx.world_size, layers=layers, checkpoint=checkpoint,
                                              offload=OffloadOptions(params=params_offloaded),
                                              fused_loss=not keep_logits, shard_size=ctx.shard_size)
+    if float8 is not None:
+        the_plan = dataclasses.replace(the_plan, fp8=describe(float8, blocks))
+        convert_blocks(blocks, float8)
     adapter = adapter_for(model)
     adapter.prepare(model)
 

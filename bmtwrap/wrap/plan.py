@@ -190,6 +190,7 @@ class WrapPlan:
         ranks_per_host: ranks sharing one host's memory, for the per-host figure.
         max_gpu_memory: the budget planned for, if any.
         shard_size: ranks each parameter is sharded over (``init_distributed(shard_size=...)``); 0 for the world.
+        fp8: the float8 compute of the blocks' linear layers (``wrap(fp8=...)``): "off", or the recipe and the count.
     """
 
     model: str
@@ -204,6 +205,7 @@ class WrapPlan:
     ranks_per_host: int = 1
     max_gpu_memory: Optional[int] = None  # the budget planned for (checkpoint="auto" keeps what fits under it)
     shard_size: int = 0  # ranks each parameter is sharded over (hybrid sharding); 0: world_size
+    fp8: str = "off"  # wrap(fp8=...): the recipe and how many of the blocks' linear layers compute in float8
 
     @property
     def shards(self) -> int:
@@ -238,6 +240,8 @@ class WrapPlan:
             lines.append(f"  {label:<44} {g.cls:<28} {g.params:>14,} {g.bytes / 2**20:>9.1f} MiB  {ckpt}")
         if self.shared:
             lines.append(f"  kept in the root because shared: {', '.join(self.shared)}")
+        if self.fp8 != "off":
+            lines.append(f"  float8 compute: {self.fp8}")
         m, o = self.memory, self.offload
         offloaded = [f"optimizer state ({o.fraction:.0%})" if o.optimizer and o.fraction else "",
                      "block parameters" if o.params else ""]

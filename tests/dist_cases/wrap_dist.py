@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import copy
 import functools
+import shutil
 import sys
+import tempfile
 from typing import Any, Dict
 
 import torch
 import transformers
 
 import bmtwrap as bmt
-from common import run
+from common import max_abs_diff, run
 
 DEVICE = "cuda" if len(sys.argv) > 2 and sys.argv[2] == "cuda" else "cpu"
 CONFIG = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -124,6 +126,64 @@ def offload_params_training() -> Dict[str, Any]:
                                          if ".layers." not in n)}
 
 
+def fp8_training() -> Dict[str, Any]:
+    """wrap(fp8=...) with torchao's emulated float8 (float8 rounding on the CPU) trained 4 AdamW steps against the
+    unwrapped model converted the same way, then saved and loaded at this world size and by the plain model.
+
+    Each rank's rows are a micro-batch of the reference's step: float8 scales come from each tensor's own
+    maximum, so the reference must see the same rows together to round the same."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    emulated = Float8LinearConfig(emulate=True)
+    plain = reference()
+    ref = convert_to_float8_training(copy.deepcopy(plain), config=emulated,
+                                     module_filter_fn=lambda module, fqn: ".layers." in f".{fqn}")
+    model = bmt.wrap(copy.deepcopy(plain), fp8=emulated)
+    converted = sorted(n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear")
+    hyper = dict(lr=1e-3, eps=1e-6, weight_decay=0.01)
+    opt_ref, opt = torch.optim.AdamW(ref.parameters(), **hyper), torch.optim.AdamW(model.parameters(), **hyper)
+    world, rank = bmt.world_size(), bmt.rank()
+    ids = torch.randint(0, 96, (12, 12), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    share = 12 // world
+    rels = []
+    for _ in range(4):
+        opt_ref.zero_grad()
+        ref_losses = []
+        for r in range(world):
+            rows = ids[r * share : (r + 1) * share]
+            ref_losses.append(ref(rows, labels=rows).loss)
+            ref_losses[-1].backward()
+        for p in ref.parameters():
+            p.grad /= world
+        opt_ref.step()
+        opt.zero_grad()
+        mine = ids[rank * share : (rank + 1) * share]
+        loss = model(mine, labels=mine).loss
+        loss.backward()
+        opt.step()
+        rels.append(abs(loss.item() - ref_losses[rank].item()) / ref_losses[rank].item())
+    full, expected = bmt.full_state_dict(model), ref.state_dict()
+    folder = [tempfile.mkdtemp(prefix="bmtwrap-fp8-") if rank == 0 else None]
+    torch.distributed.broadcast_object_list(folder)
+    path = f"{folder[0]}/fp8.pt"
+    bmt.save(model, path)
+    saved = torch.load(path, weights_only=True)
+    plain.load_state_dict(saved)  # the file holds the unwrapped model's tensors: no float8, no extra keys
+    again = bmt.wrap(copy.deepcopy(reference()), fp8=emulated)
+    bmt.load(again, path)
+    reloaded = bmt.full_state_dict(again)
+    bmt.synchronize()
+    if rank == 0:
+        shutil.rmtree(folder[0])
+    return {"loss_max_rel": max(rels), **max_abs_diff(full, expected),
+            "converted": converted,
+            "block_linears": sorted(n for n, m in plain.named_modules() if type(m) is torch.nn.Linear and ".layers." in n),
+            "saved_dtypes": sorted({str(v.dtype) for v in saved.values()}),
+            "saved_keys_match": sorted(saved) == sorted(reference().state_dict()),
+            "reload_equal": all(torch.equal(reloaded[k], full[k]) for k in full),
+            "plan": bmt.plan(reference(), fp8=emulated).fp8}
+
+
 def _storage_bytes(tensors: Any) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views of one shard count once)."""
     seen: Dict[int, int] = {}
@@ -169,4 +229,5 @@ def plan_is_exact() -> Dict[str, Any]:
 if __name__ == "__main__":
     run({"generate": generate, "generate_offloaded": lambda: generate(offload_params=True),
          "meta_then_load": meta_then_load, "meta_then_materialize": meta_then_materialize,
-         "offload_params_training": offload_params_training, "plan_is_exact": plan_is_exact})
+         "offload_params_training": offload_params_training, "plan_is_exact": plan_is_exact,
+         "fp8_training": fp8_training})
