@@ -106,7 +106,7 @@ def build_model(args: argparse.Namespace, tokenizer: Any, dtype: torch.dtype) ->
 
     wrap_options = dict(checkpoint={"true": True, "false": False, "auto": "auto"}[args.recompute],
                         offload_params={"true": True, "false": False}.get(args.offload_params, "auto"),
-                        max_gpu_memory=args.max_gpu_memory)
+                        max_gpu_memory=args.max_gpu_memory, fp8=False if args.fp8 == "off" else args.fp8)
     if args.lora:
         return build_lora_model(args, tokenizer, dtype, wrap_options)
     if args.model is not None:

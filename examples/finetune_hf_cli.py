@@ -143,6 +143,9 @@ def parse_args(argv: Optional[List[str]] = None, description: str = "") -> argpa
     engine.add_argument("--max-gpu-memory", metavar="SIZE", default=None,
                         help="the most GPU memory each process should take, e.g. 24GiB (wrap(max_gpu_memory=...)): "
                              "--recompute auto and --optimizer offload plan for it instead of the whole card")
+    engine.add_argument("--fp8", default="off", choices=["off", "tensorwise", "rowwise", "rowwise_with_gw_hp"],
+                        help="the decoder layers' linear layers compute in float8 (wrap(fp8=...), torchao); needs "
+                             "GPUs with float8 tensor cores (H100, H200, L4) and pip install 'bmtwrap[fp8]'")
     engine.add_argument("--lora", action="store_true", help="train LoRA adapters (peft) instead of every weight")
     engine.add_argument("--lora-rank", type=int, default=16)
     engine.add_argument("--lora-targets", default=None,
@@ -198,6 +201,9 @@ def check_numbers(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
             parse_bytes(args.max_gpu_memory, name="--max-gpu-memory")
         except ValueError as error:
             p.error(str(error))
+    if args.fp8 != "off" and not torch.cuda.is_available():
+        p.error(f"--fp8 {args.fp8} computes in float8, which needs GPUs with float8 tensor cores (H100, H200, L4); "
+                "this machine has no CUDA GPU: leave --fp8 off")
     if args.lora_targets is not None and not (args.lora and lora_targets(args)):
         p.error(f"--lora-targets names the layers --lora adapts: give it with --lora and at least one name, "
                 f"got {args.lora_targets!r}{'' if args.lora else ' without --lora'}")

@@ -334,6 +334,7 @@ BAD_ARGUMENTS: List[tuple] = [
     (["--stop-at", "0"], "--stop-at must be in [1, --steps=8], got 0"),
     (["--warmup", "9"], "--warmup must be in [0, --steps=8], got 9"),
     (["--lora-targets", "q_proj"], "--lora-targets names the layers --lora adapts"),
+    (["--fp8", "tensorwise"], "--fp8 tensorwise computes in float8, which needs GPUs with float8 tensor cores"),
 ]
 
 
