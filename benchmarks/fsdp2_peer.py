@@ -14,6 +14,14 @@ off). Random token ids, labels = inputs; the median step time of ``--steps`` ste
 and the first step's time apart (compilation included). Model FLOPs per token as train_llama counts
 them, against its peak. Prints one line, ``RESULT {json}``, with train_llama's fields.
 
+``--keep N`` leaves the first N layers' activations in memory (no checkpointing), the rest checkpointed:
+the most a card holds is FSDP2 at its best. ``--fp8 tensorwise|rowwise`` is the float8 peer, configured as
+torchtitan configures torchao's float8 training: every decoder layer's linear whose sizes are multiples
+of 16 in float8 (the output projection stays bf16), each layer compiled (``--fp8`` implies ``--compile``);
+tensorwise with float8 all-gathers (each weight shard cast before the gather), its scales computed for
+all layers at once after each optimizer step (``precompute_float8_dynamic_scale_for_fsdp``) and the
+float8 weight recomputed in backward under checkpointing; rowwise with bf16 gathers.
+
 A ``tiny`` size runs on CPUs (gloo) for a smoke test; there ``--compile-backend aot_eager`` skips
 inductor's C++ compiler.
 """
@@ -34,7 +42,7 @@ import torch.distributed as dist
 import transformers
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from train_llama import PEAK_FLOPS, add_shape_arguments, flops_per_token
+from train_llama import PEAK_FLOPS, add_shape_arguments, flops_per_token, shape
 from train_llama import SIZES as TRAIN_SIZES
 
 SIZES = {
@@ -50,9 +58,9 @@ class Timing(NamedTuple):
     loss: float  # the last step's
 
 
-def build(size: str, seq: int) -> Tuple[transformers.LlamaConfig, transformers.LlamaForCausalLM]:
-    config = transformers.LlamaConfig(max_position_embeddings=max(seq, 128), attn_implementation="sdpa",
-                                      **SIZES[size])
+def build(args: argparse.Namespace) -> Tuple[transformers.LlamaConfig, transformers.LlamaForCausalLM]:
+    config = transformers.LlamaConfig(max_position_embeddings=max(args.seq, 128), attn_implementation="sdpa",
+                                      **shape(args, SIZES))
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
     return config, model
@@ -118,8 +126,24 @@ def materialise(model: transformers.LlamaForCausalLM, device: torch.device) -> N
     model.tie_weights()
 
 
+def to_float8(model: transformers.LlamaForCausalLM, recipe: str, checkpoint: bool) -> Callable[[], None]:
+    """Convert the decoder layers' linears to torchao's float8 training, as torchtitan does; what to run after each
+    optimizer step (tensorwise: compute every float8 weight's scale at once)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
+
+    if recipe == "tensorwise":
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, force_recompute_fp8_weight_in_bwd=checkpoint)
+    else:
+        config = Float8LinearConfig.from_recipe_name(recipe)
+    convert_to_float8_training(model.model.layers, config=config,
+                               module_filter_fn=lambda m, fqn: m.in_features % 16 == 0 and m.out_features % 16 == 0)
+    if recipe == "tensorwise":
+        return lambda: precompute_float8_dynamic_scale_for_fsdp(model)
+    return lambda: None
+
+
 def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor, *, warmup: int,
-          steps: int) -> Timing:
+          steps: int, after_step: Callable[[], None] = lambda: None) -> Timing:
     cuda = ids.is_cuda
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -131,6 +155,7 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.T
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
+        after_step()
         optimizer.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
@@ -143,6 +168,10 @@ def main() -> None:
     add_shape_arguments(parser, SIZES)
     parser.add_argument("--no-checkpoint", action="store_true", help="keep every layer's activations")
     parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer's forward")
+    parser.add_argument("--keep", type=int, default=0, metavar="N",
+                        help="the first N layers keep their activations (not checkpointed)")
+    parser.add_argument("--fp8", default="off", choices=["off", "tensorwise", "rowwise"],
+                        help="torchao float8 training of the decoder layers, as torchtitan sets it (implies --compile)")
     parser.add_argument("--shard-size", type=int, default=None,
                         help="HSDP: shard in groups of this many ranks, replicate across them")
     parser.add_argument("--compile-backend", default="inductor",
@@ -161,12 +190,18 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
 
     torch.manual_seed(0)
-    config, model = build(args.size, args.seq)
+    config, model = build(args)
     per_token = flops_per_token(config, model, args.seq)
     params = sum(p.numel() for p in model.parameters())
     checkpoint = not args.no_checkpoint
     if checkpoint:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        for layer in model.model.layers[:args.keep]:
+            layer.gradient_checkpointing = False
+    after_step = lambda: None  # noqa: E731
+    if args.fp8 != "off":
+        after_step = to_float8(model, args.fp8, checkpoint and args.keep < config.num_hidden_layers)
+        args.compile = True
     if args.compile:
         compile_layers(model, args.compile_backend)
     shard(model, torch.bfloat16 if cuda else torch.float32, hybrid_mesh(args.shard_size, device.type))
@@ -175,14 +210,15 @@ def main() -> None:
 
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq),
                         generator=torch.Generator().manual_seed(rank)).to(device)
-    timing = train(model, optimizer, ids, warmup=args.warmup, steps=args.steps)
+    timing = train(model, optimizer, ids, warmup=args.warmup, steps=args.steps, after_step=after_step)
     if not math.isfinite(timing.loss):
         raise SystemExit(f"the loss is {timing.loss} after {args.warmup + args.steps} steps: training is broken, "
                          "the timings mean nothing")
     tokens = args.batch * args.seq
     if rank == 0:
         print("RESULT " + json.dumps(dict(
-            system="fsdp2-compile" if args.compile else "fsdp2", size=args.size, world=world,
+            system=(f"fsdp2-fp8-{args.fp8}" if args.fp8 != "off" else "fsdp2-compile" if args.compile else "fsdp2"),
+            size=args.size, layers=config.num_hidden_layers, world=world, keep=args.keep,
             shard_size=args.shard_size or world, batch=args.batch,
             seq=args.seq, params=params, activation_checkpointing=checkpoint, step_s=round(timing.median_s, 4),
             tok_s_gpu=round(tokens / timing.median_s, 1),

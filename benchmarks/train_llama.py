@@ -91,6 +91,17 @@ def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Te
 NORMS: List[float] = []  # each step's gradient norm, with --clip
 
 
+KERNEL_KINDS = (("attention", ("flash", "fmha", "cudnn", "attention")),
+                ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "scaled_mm", "cublas")),
+                ("optimizer", ("adam", "multi_tensor", "foreach")),
+                ("compiled (triton)", ("triton",)))
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a GPU kernel, from its (lower-case) name."""
+    return next((kind for kind, marks in KERNEL_KINDS if any(m in name for m in marks)), "other")
+
+
 def profile_step(run: Callable[[], Any]) -> Dict[str, Any]:
     """One step under the profiler: the share of its time some compute kernel ran on the GPU, the share
     a host-device copy ran, the longest gap with no kernel at all, and the communication: the time NCCL's
@@ -141,7 +152,12 @@ def profile_step(run: Callable[[], Any]) -> Dict[str, Any]:
         return dict(s=round(total, 4), hidden_pct=round(100 * overlap(spans, busy) / total, 1) if total else None)
 
     every = hidden(spans_of([e for events in comms.values() for e in events]))
+    kinds: Dict[str, float] = {}
+    for e in kernels:
+        kind = kernel_kind(e.name.lower())
+        kinds[kind] = kinds.get(kind, 0.0) + (e.time_range.end - e.time_range.start) / 1e6
     return dict(profiled_step_s=round(wall, 4), gpu_busy_pct=round(100 * compute / wall, 1),
+                kernel_s={k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
                 gpu_copy_pct=round(100 * copied / wall, 1), longest_gpu_gap_s=round(gap, 4),
                 comm_s=every["s"], comm_hidden_pct=every["hidden_pct"],
                 comm_by_kind={kind: hidden(spans_of(events)) for kind, events in comms.items()})
@@ -154,6 +170,13 @@ def add_shape_arguments(parser: argparse.ArgumentParser, sizes: Dict[str, Any]) 
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=None, metavar="N",
+                        help="the size's layers, only N of them (a slice of a larger model, per-layer figures)")
+
+
+def shape(args: argparse.Namespace, sizes: Dict[str, Any]) -> Dict[str, Any]:
+    """The LlamaConfig arguments of ``--size``, with ``--layers``."""
+    return {**sizes[args.size], **({} if args.layers is None else {"num_hidden_layers": args.layers})}
 
 
 def main() -> None:
@@ -168,6 +191,9 @@ def main() -> None:
                         help="also report the peak from the step's start until the loss's backward reaches the "
                              "final norm (the forward and the loss, both ways)")
     parser.add_argument("--max-gpu-memory", default=None, help="wrap(max_gpu_memory=...), e.g. 21GiB")
+    parser.add_argument("--fp8", default="off", choices=["off", "tensorwise", "rowwise", "rowwise_with_gw_hp"],
+                        help="wrap(fp8=...): the blocks' linear layers in float8 (torchao); MFU stays counted "
+                             "against the bf16 peak")
     parser.add_argument("--zero-level", type=int, default=3, choices=[2, 3])
     parser.add_argument("--shard-size", type=int, default=None,
                         help="init_distributed(shard_size=...): hybrid sharding in groups of this many ranks")
@@ -197,13 +223,14 @@ def main() -> None:
 
     ctx = bmt.init_distributed(seed=0, zero_level=args.zero_level, shard_size=args.shard_size)
     config = transformers.LlamaConfig(max_position_embeddings=max(args.seq, 128), attn_implementation="sdpa",
-                                      **SIZES[args.size])
+                                      **shape(args, SIZES))
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     per_token = flops_per_token(config, model, args.seq)
     params = sum(p.numel() for p in model.parameters())
     checkpoint = {"true": True, "false": False, "auto": "auto"}[args.checkpoint]
     compile_option = {"true": True, "false": False, "auto": "auto"}[args.compile]
+    fp8 = False if args.fp8 == "off" else args.fp8
     # What bmtwrap.plan predicts for this run, printed beside the measured peak.
     offload_params = {"true": True, "false": False}.get(args.offload_params, "auto")
     # The plan for the card (or the budget): with --optimizer auto it shows what auto_adam will decide.
@@ -213,13 +240,14 @@ def main() -> None:
                        offload_optimizer=plan_optimizer, offload_fraction=fraction if plan_optimizer is True else 1.0,
                        step_in_backward={"offload": False, "offload-in-backward": True}.get(args.optimizer, "auto"),
                        offload_params=offload_params, max_gpu_memory=card,
-                       keep_logits=args.keep_logits, compile=compile_option)
+                       keep_logits=args.keep_logits, compile=compile_option, fp8=fp8)
     bmt.print_rank(f"plan: optimizer state on the host {planned.offload.fraction:.3f}, "
                    f"{sum(not b.checkpoint for b in planned.blocks)} blocks kept, "
                    f"{planned.memory.total / 2**30:.2f} GiB", flush=True)
     planned = planned.memory
     model = bmt.wrap(model, checkpoint=checkpoint, offload_params=offload_params,
-                     max_gpu_memory=args.max_gpu_memory, keep_logits=args.keep_logits, compile=compile_option)
+                     max_gpu_memory=args.max_gpu_memory, keep_logits=args.keep_logits, compile=compile_option,
+                     fp8=fp8)
     bmt.materialize(model)
     model.train()
     optimizer = {
@@ -288,11 +316,13 @@ def main() -> None:
     step_s = statistics.median(times)
     tokens = args.batch * args.seq
     bmt.print_rank("RESULT " + json.dumps(dict(
-        system="bmtwrap", size=args.size, world=ctx.world_size, shard_size=ctx.shard_size, batch=args.batch,
+        system="bmtwrap", size=args.size, layers=config.num_hidden_layers, world=ctx.world_size,
+        shard_size=ctx.shard_size, batch=args.batch,
         seq=args.seq, params=params, traffic_per_step=moved,
         activation_checkpointing=args.checkpoint, zero_level=args.zero_level, optimizer=args.optimizer,
         optimizer_class=type(optimizer).__name__,
         compile=args.compile, compiled=compiled_blocks(model), keep_logits=args.keep_logits,
+        fp8=wrapped_record(model).plan.fp8,
         first_step_s=round(first_step_s, 1),
         offload_threads=args.offload_threads,
         offload_fraction=round(optimizer.offload_fraction, 3) if offloading else args.offload_fraction,

@@ -50,7 +50,7 @@ import transformers
 from accelerate.optimizer import AcceleratedOptimizer
 
 from fsdp2_peer import SIZES
-from train_llama import PEAK_FLOPS, add_shape_arguments, compiled_blocks, flops_per_token
+from train_llama import PEAK_FLOPS, add_shape_arguments, compiled_blocks, flops_per_token, shape
 
 
 class StepTimer(transformers.TrainerCallback):
@@ -144,7 +144,7 @@ def main() -> None:
 
     torch.manual_seed(0)  # every rank builds the same weights
     config = transformers.LlamaConfig(max_position_embeddings=max(args.seq, 128), attn_implementation="sdpa",
-                                      **SIZES[args.size])
+                                      **shape(args, SIZES))
     # On its GPU: torchrun gives each process one CPU thread, and an 8B model's initialisation on one thread takes
     # minutes. The peak memory is counted from the start of training, after the model is sharded.
     with torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu"):
