@@ -110,6 +110,7 @@ class Topology:
         return self.world_size // self.pipe_size
 
     stage_id = property(lambda self: self.rank // self.stage_size, doc="The rank's stage: its place in its pipeline.")
+    pipe_rank = property(lambda self: self.stage_id, doc="The place in the pipe group: the stage (BMTrain's other name).")
     pipe_idx = property(lambda self: self.rank % self.stage_size, doc="Which pipeline: the place in the stage.")
     tp_id = property(lambda self: self.rank % self.tp_size, doc="The place in the tensor-parallel group.")
     tp_idx = property(lambda self: self.rank // self.tp_size, doc="Which tensor-parallel group.")
