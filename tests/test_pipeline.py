@@ -90,3 +90,6 @@ def test_bad_input_names_the_fix(layouts):
         "num_micro_batches=4 micro-batches" in errors["micro_batches"][1]
     assert errors["hidden_states"][0] == "NotImplementedError" and "takes neither return_hidden_states" in \
         errors["hidden_states"][1]
+    assert errors["sharded"][0] == "NotImplementedError" and "init_distributed(pipe_size=2) are not supported: save " \
+        "the model with bmt.save" in errors["sharded"][1]
+    assert errors["wrap"] == ["none", ""]  # wrap() shards over the stage and replicates over the pipeline

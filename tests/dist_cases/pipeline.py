@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import bmtwrap as bmt
-from bmtwrap.engine.dist import current
+from bmtwrap.checkpoint import save_checkpoint
 from common import on_device, raised, run
 
 H, V, LAYERS, ROWS, SEQ, STEPS = 32, 16, 4, 2, 3, 3
@@ -205,7 +205,10 @@ def errors() -> Dict[str, Any]:
             "micro_batches": raised(lambda: model(torch.zeros(1, SEQ, dtype=torch.long), torch.ones(1, SEQ, 1)))
             if pipe % micros else [],
             "hidden_states": raised(lambda: model.layers(torch.zeros(2, SEQ, H), torch.ones(2, SEQ, 1), torch.zeros(H),
-                                                         return_hidden_states=True)) if pipe > 1 else []}
+                                                         return_hidden_states=True)) if pipe > 1 else [],
+            "sharded": raised(lambda: save_checkpoint(shared_path("sharded"), model)) if pipe > 1 else [],
+            "wrap": raised(lambda: bmt.wrap(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))(torch.ones(2, 4)).sum()
+                           .backward())}
 
 
 if __name__ == "__main__":
