@@ -2,8 +2,9 @@
 
 One process group of 4 ranks (2 stages of 2 ranks, each layer sharded over its stage's 2) runs every case of
 dist_cases/pipeline.py: three training steps of a small model in 4 micro-batches against the plain model on the
-whole batch in one process, whole-tensor checkpoints, bad input. A world of one (pipe size 1) loads the file the
-4 ranks wrote, and they load one it wrote. Sizes in the case file; fp32, so within rounding.
+whole batch in one process, whole-tensor checkpoints, BMTrain's send/receive test, bad input. A world of one
+(pipe size 1) trains too and loads the file the 4 ranks wrote; 4 ranks in 2 stages of one tensor-parallel
+group each load one it wrote. Sizes in the case file; fp32, so within rounding.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ def layouts():
     pipe2 = (4, run_cases("pipeline.py", 4, "2", timeout=300))
     pipe1 = (1, run_cases("pipeline.py", 1, "1", result(pipe2, "save_and_load")["written"], "training,save_and_load",
                           timeout=300))
-    back = (4, run_cases("pipeline.py", 4, "2", result(pipe1, "save_and_load")["written"], "save_and_load",
+    # Back at pipe 2, now with tensor-parallel groups of 2 (each stage one group): parameters unsharded in it.
+    back = (4, run_cases("pipeline.py", 4, "2", result(pipe1, "save_and_load")["written"], "save_and_load,config", "2",
                          timeout=300))
     return pipe2, pipe1, back
 
@@ -33,7 +35,11 @@ def result(results, name):
 def test_config_names_the_stages(layouts):
     found = result(layouts[0], "config")
     assert found == {"pipe_size": 2, "pipe_rank": 0, "stage_id": 0, "micros": 4, "pipe_comm": [0, 2],
-                     "zero_comm": [0, 1], "zero_rank": 0, "layers": [0, 1], "remote": ["2", "3"], "remote_numel": 0}
+                     "zero_comm": [0, 1], "tp_comm": [0], "pp_tp_zero_comm": [0, 1], "zero_rank": 0,
+                     "layers": [0, 1], "remote": ["2", "3"], "remote_numel": 0}
+    with_tp = result(layouts[2], "config")
+    assert with_tp["pipe_comm"] == [0, 2] and with_tp["zero_comm"] == [0, 1] and with_tp["tp_comm"] == [0, 1]
+    assert with_tp["pp_tp_zero_comm"] == [0] and with_tp["layers"] == [0, 1]
 
 
 @pytest.mark.parametrize("layout", [0, 1], ids=["pipe2", "pipe1"])
@@ -51,7 +57,7 @@ def test_checkpoints_load_at_either_layout(layouts):
         assert found["own"] == [True, 0.0] and found["own_state_dict"] == [True, 0.0]
         assert found["own_load_state_dict"] == 0.0
     assert result(pipe1, "save_and_load")["other"] == [True, 0.0]  # written at pipe 2, loaded at pipe 1
-    assert result(back, "save_and_load")["other"] == [True, 0.0]  # written at pipe 1, loaded at pipe 2
+    assert result(back, "save_and_load")["other"] == [True, 0.0]  # written at pipe 1, loaded at pipe 2 x tp 2
     assert result(back, "save_and_load")["other_state_dict"] == [True, 0.0]
 
 

@@ -1,7 +1,7 @@
 """BMTrain's pipeline parallelism (``init_distributed(pipe_size=P)``, ``PipelineTransformerBlockList``) against plain
 torch in one process.
 
-Run as ``pipeline.py OUT PIPE [FILE [CASES]]``. A small BMTrain-style model (an embedding tied to the output,
+Run as ``pipeline.py OUT PIPE [FILE [CASES [TP]]]``. A small BMTrain-style model (an embedding tied to the output,
 four pipelined layers that take a batch-cut mask and a shared shift, a final norm) trains a few steps; each
 rank takes its share of one global batch, and the plain model trains on the whole batch in one process from
 the same initial values. ``FILE``, if given, is a checkpoint another layout wrote, loaded here. fp32 on the
@@ -89,6 +89,7 @@ def config() -> Dict[str, Any]:
     remote = [name for name, p in model.named_parameters() if isinstance(p, bmt.bmtrain.pipeline.RemoteParameter)]
     return {"pipe_size": c["pipe_size"], "pipe_rank": c["pipe_rank"], "stage_id": c["topology"].stage_id,
             "micros": c["micros"], "pipe_comm": list(c["pipe_comm"].ranks), "zero_comm": list(c["zero_comm"].ranks),
+            "tp_comm": list(c["tp_comm"].ranks), "pp_tp_zero_comm": list(c["pp_tp_zero_comm"].ranks),
             "zero_rank": c["zero_rank"], "layers": list(model.layers.layer_ids),
             "remote": sorted({name.split(".")[1] for name in remote}),
             "remote_numel": sum(p.numel() for name, p in model.named_parameters() if name in remote)}
@@ -215,5 +216,6 @@ if __name__ == "__main__":
     cases = {"config": config, "training": training, "save_and_load": save_and_load, "send_recv": send_recv,
              "inspector": inspector, "errors": errors}
     only = sys.argv[4].split(",") if len(sys.argv) > 4 else list(cases)
-    pipe = int(sys.argv[2])
-    run({name: on_device(cases[name]) for name in only}, pipe_size=pipe, num_micro_batches=2 * pipe if pipe > 1 else None)
+    pipe, tp = int(sys.argv[2]), int(sys.argv[5]) if len(sys.argv) > 5 else 1
+    run({name: on_device(cases[name]) for name in only}, pipe_size=pipe, tp_size=tp,
+        num_micro_batches=2 * pipe if pipe > 1 else None)
