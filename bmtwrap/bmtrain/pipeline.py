@@ -88,12 +88,13 @@ def _leave_to_other_stage(block: Block) -> None:
 class PipelineTransformerBlockList(TransformerBlockList):
     """BMTrain's pipelined block list: its layers cut into the stages of ``init_distributed(pipe_size=P)``.
 
-    Stage s holds layers ``stage_layers(len(modules), P, s)`` (contiguous; BMTrain's partition), sharded over the
-    stage's ranks; the other layers' parameters are :class:`RemoteParameter` placeholders of no elements. A
-    call runs the pipeline's batches in ``bmt.config["micros"]`` micro-batches, all forwards then all backwards
-    (see [Note: the pipeline schedule]), and returns on every rank the output of its own batch, as BMTrain's
-    does. ``state_dict()`` and :func:`bmtwrap.save` hold every layer's whole tensors, sent from their stages (a
-    collective); :func:`bmtwrap.load` takes a file of any layout. With ``pipe_size`` 1 this is a
+    Stage s holds layers ``get_range_by_stage_id(s)`` (contiguous; BMTrain's partition), sharded over the
+    stage's ranks (``layer_ids``: this rank's stage's; ``stage_id``, ``stages``: BMTrain's attributes); the other
+    layers' parameters are :class:`RemoteParameter` placeholders of no elements. A call runs the pipeline's
+    batches in ``bmt.config["micros"]`` micro-batches, all forwards then all backwards (see [Note: the pipeline
+    schedule]), and returns on every rank the output of its own batch, as BMTrain's does. ``state_dict()`` and
+    :func:`bmtwrap.save` hold every layer's whole tensors, sent from their stages (a collective);
+    :func:`bmtwrap.load` takes a file of any layout. With ``pipe_size`` 1 this is a
     :class:`TransformerBlockList` (``batch_related`` changes nothing).
 
     Args:
@@ -127,8 +128,8 @@ class PipelineTransformerBlockList(TransformerBlockList):
                                       f"{ctx.pipe_size}: a pipeline passes one hidden state between stages, as "
                                       "BMTrain's does; pass the others as arguments, or use TransformerBlockList")
         super().__init__(modules, num_hidden)
-        self.stage = current_topology().stage_id
-        self.layer_ids = stage_layers(len(self), ctx.pipe_size, self.stage)
+        self.stages, self.stage_id = ctx.pipe_size, current_topology().stage_id
+        self.layer_ids = stage_layers(len(self), ctx.pipe_size, self.stage_id)
         if ctx.pipe_size == 1:
             return
         for index, block in enumerate(self):
@@ -183,6 +184,18 @@ class PipelineTransformerBlockList(TransformerBlockList):
         placeholder = torch.empty(0, requires_grad=run.with_grad)  # so that the output records a backward
         return _Pipeline.apply(run, placeholder, hidden, *rest)
 
+    def get_range_by_stage_id(self, stage_id: int) -> range:
+        """The layers stage ``stage_id`` holds (BMTrain's name)."""
+        return stage_layers(len(self), self.stages, stage_id)
+
+    def get_part_len_by_stage_id(self, stage_id: int) -> int:
+        """How many layers stage ``stage_id`` holds (BMTrain's name)."""
+        return len(self.get_range_by_stage_id(stage_id))
+
+    def get_stage_by_layer_id(self, layer_id: int) -> int:
+        """The stage that holds layer ``layer_id`` (BMTrain's name)."""
+        return next(s for s in range(self.stages) if layer_id in self.get_range_by_stage_id(s))
+
     def _run_stage(self, x: torch.Tensor, args: Sequence[Any], kwargs: Dict[str, Any]) -> torch.Tensor:
         for index in self.layer_ids:
             x = self[index](x, *args, **kwargs)
@@ -199,7 +212,7 @@ class _Run:
                  with_grad: bool) -> None:
         ctx = _dist.current()
         self.blocks, self.split, self.kwargs, self.with_grad = blocks, split, kwargs, with_grad
-        self.stages, self.stage, self.micros = ctx.pipe_size, blocks.stage, ctx.micro_batches
+        self.stages, self.stage, self.micros = ctx.pipe_size, blocks.stage_id, ctx.micro_batches
         self.comm = config_communicator("pipe_comm")
         self.group = ctx.replica_group  # the pipe group
         self.inputs: List[torch.Tensor] = []  # each micro-batch's input of this stage (a leaf)
@@ -338,25 +351,26 @@ def _gather_stages(blocks: PipelineTransformerBlockList, state_dict: Dict[str, A
     ``keep_vars=True`` the sharded parameters); another stage's layer gets whole CPU tensors.
     """
     ctx = _dist.current()
-    run_comm, group = config_communicator("pipe_comm"), ctx.replica_group
+    pipe = config_communicator("pipe_comm")
     for stage in range(ctx.pipe_size):
-        layers = stage_layers(len(blocks), ctx.pipe_size, stage)
-        for index in layers:
-            block = blocks[index]
-            mine = stage == blocks.stage
-            whole = block.state_dict() if mine else {}  # gathered in the stage
+        mine = stage == blocks.stage_id
+        for index in blocks.get_range_by_stage_id(stage):
+            block, whole = blocks[index], None
             for name, param in _layer_parameters(block):
                 key = f"{prefix}{index}.{name}"
-                if mine:
-                    value = whole[name].to(ctx.device)
-                else:
-                    value = torch.empty(param.full_shape, dtype=param.dtype, device=ctx.device)
-                dist.broadcast(value, src=run_comm.global_rank(stage), group=group)
+                value = state_dict.get(key)
+                if mine and (value is None or isinstance(value, nn.Parameter)):  # keep_vars=True: the shards
+                    whole = block.state_dict() if whole is None else whole  # gathered in the stage
+                    value = whole[name]
+                value = (value.to(ctx.device) if mine else
+                         torch.empty(param.full_shape, dtype=param.dtype, device=ctx.device))
+                dist.broadcast(value, src=pipe.global_rank(stage), group=ctx.replica_group)
                 if not mine and key in state_dict:
                     state_dict[key] = value.cpu()
 
 
-def _skip_other_stages(blocks: PipelineTransformerBlockList, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
+def _skip_other_stages(blocks: PipelineTransformerBlockList, state_dict: Dict[str, Any], prefix: str,
+                       *args: Any) -> None:
     """Load-state-dict pre-hook: another stage's layers keep their placeholders (their stage loads them)."""
     for index, block in enumerate(blocks):
         if index in blocks.layer_ids:
