@@ -65,6 +65,10 @@ def test_every_stage_draws_the_initial_values_of_one_process(layouts):
     assert result(layouts[0], "training")["init"] == result(layouts[1], "training")["init"]
 
 
+def test_blocks_outside_a_pipeline_start_as_one_process(layouts):
+    assert result(layouts[0], "init_parameters") == {"block_list": [True, 0.0], "checkpoint_blocks": [True, 0.0]}
+
+
 def test_stage_groups_are_bmtrains_layout():
     from bmtwrap.bmtrain.comm import Topology
     from bmtwrap.engine.stages import stage_groups

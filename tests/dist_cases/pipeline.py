@@ -164,6 +164,34 @@ def save_and_load() -> Dict[str, Any]:
     return found
 
 
+def init_parameters() -> Dict[str, Any]:
+    """BMTrain's tests/test_init_parameters_multi_gpu.py under a pipeline layout: blocks outside a pipelined list
+    (every stage holds them) start as the plain layers of one process with the same seed."""
+    class Plain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(nn.init.xavier_normal_(torch.empty(5, 3)))
+            self.bias = nn.Parameter(nn.init.zeros_(torch.empty(5)))
+
+    class Initialised(bmt.DistributedModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = bmt.DistributedParameter(torch.empty(5, 3), init_method=nn.init.xavier_normal_)
+            self.bias = bmt.DistributedParameter(torch.empty(5), init_method=nn.init.zeros_)
+
+    torch.manual_seed(33)
+    want = nn.ModuleList([Plain(), Plain()]).state_dict()
+    found = {}
+    for name, make in (("block_list", lambda: bmt.TransformerBlockList([Initialised(), Initialised()])),
+                       ("checkpoint_blocks", lambda: nn.ModuleList([bmt.CheckpointBlock(Initialised()) for _ in "ab"]))):
+        torch.manual_seed(33)
+        model = make()
+        bmt.init_parameters(model)
+        got = saved(model, name + ".pt")
+        found[name] = [sorted(got) == sorted(want), max(diff(got[k], want[k]) for k in want)]
+    return found
+
+
 def send_recv() -> Dict[str, Any]:
     """BMTrain's tests/test_send_recv.py: stage 0 sends along the pipe group, stage 1 receives; what each rank got."""
     topology, comm = bmt.config["topology"], bmt.config["pipe_comm"]
@@ -214,7 +242,7 @@ def errors() -> Dict[str, Any]:
 
 if __name__ == "__main__":
     cases = {"config": config, "training": training, "save_and_load": save_and_load, "send_recv": send_recv,
-             "inspector": inspector, "errors": errors}
+             "init_parameters": init_parameters, "inspector": inspector, "errors": errors}
     only = sys.argv[4].split(",") if len(sys.argv) > 4 else list(cases)
     pipe, tp = int(sys.argv[2]), int(sys.argv[5]) if len(sys.argv) > 5 else 1
     run({name: on_device(cases[name]) for name in only}, pipe_size=pipe, tp_size=tp,
