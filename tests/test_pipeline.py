@@ -49,6 +49,8 @@ def test_training_matches_plain_model(layouts, layout):
         assert len(got) == 3 and max(abs(a - b) / abs(b) for a, b in zip(got, want)) < CLOSE, (got, want)
     assert found["keys"] and found["params"] < CLOSE and found["no_grad"] < CLOSE
     assert found["moved"] > 100 * CLOSE  # the parameters did change
+    names, worst = found["inspected"]
+    assert len(names) == 20 and worst < CLOSE  # 4 layers of 5 parameters, each seen on rank 0
 
 
 def test_checkpoints_load_at_either_layout(layouts):

@@ -27,7 +27,7 @@ losses, as for every other parameter.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,7 @@ from .blocklist import TransformerBlockList
 from .comm import config_communicator, current_topology
 from .distributed import recv_activations, send_activations
 
-__all__ = ["PipelineTransformerBlockList", "RemoteParameter", "stage_layers"]
+__all__ = ["PipelineTransformerBlockList", "RemoteParameter", "share_stage_grads", "stage_layers"]
 
 
 def stage_layers(layers: int, stages: int, stage: int) -> range:
@@ -64,7 +64,7 @@ class RemoteParameter(nn.Parameter):
     init_method: Any
 
     def __new__(cls, dtype: torch.dtype, full_shape: torch.Size, init_method: Any) -> "RemoteParameter":
-        self = torch.Tensor._make_subclass(cls, torch.empty(0, dtype=dtype), False)
+        self = torch.Tensor._make_subclass(cls, torch.empty(0, dtype=dtype, device=_dist.current().device), False)
         self.full_shape, self.init_method = full_shape, init_method
         return self
 
@@ -348,7 +348,8 @@ def _gather_stages(blocks: PipelineTransformerBlockList, state_dict: Dict[str, A
     """State-dict post-hook: every layer's whole tensors, each broadcast along the pipeline from its stage.
 
     A collective of every rank. A layer of this stage keeps its entries (whole CPU tensors, or with
-    ``keep_vars=True`` the sharded parameters); another stage's layer gets whole CPU tensors.
+    ``keep_vars=True`` the sharded parameters); another stage's layer gets whole CPU tensors (with
+    ``keep_vars=True`` as parameters, which writing into changes nothing here).
     """
     ctx = _dist.current()
     pipe = config_communicator("pipe_comm")
@@ -365,8 +366,9 @@ def _gather_stages(blocks: PipelineTransformerBlockList, state_dict: Dict[str, A
                 value = (value.to(ctx.device) if mine else
                          torch.empty(param.full_shape, dtype=param.dtype, device=ctx.device))
                 dist.broadcast(value, src=pipe.global_rank(stage), group=ctx.replica_group)
-                if not mine and key in state_dict:
-                    state_dict[key] = value.cpu()
+                if not mine and key in state_dict:  # with keep_vars=True a parameter, as the others are
+                    keep_vars = isinstance(state_dict[key], nn.Parameter)
+                    state_dict[key] = nn.Parameter(value.cpu(), requires_grad=False) if keep_vars else value.cpu()
 
 
 def _skip_other_stages(blocks: PipelineTransformerBlockList, state_dict: Dict[str, Any], prefix: str,
@@ -378,3 +380,32 @@ def _skip_other_stages(blocks: PipelineTransformerBlockList, state_dict: Dict[st
         for name, param in _layer_parameters(block):
             if f"{prefix}{index}.{name}" in state_dict:
                 state_dict[f"{prefix}{index}.{name}"] = param
+
+
+@torch.no_grad()
+def share_stage_grads(model: nn.Module, grads: Dict[str, torch.Tensor]) -> Set[str]:
+    """Fill ``grads`` (whole gradients under the unwrapped model's keys, as ``full_grad_dict`` gives them) for the
+    layers of ``model``'s pipelined lists that other stages hold, each broadcast along the pipeline from its stage.
+
+    A collective of every rank. Returns the keys filled whose stage held a gradient.
+    """
+    ctx, pipe, filled = _dist.current(), config_communicator("pipe_comm"), set()
+    for path, blocks in model.named_modules():
+        if not isinstance(blocks, PipelineTransformerBlockList) or blocks.stages == 1:
+            continue
+        for index, block in enumerate(blocks):
+            stage = blocks.get_stage_by_layer_id(index)
+            mine = stage == blocks.stage_id
+            for name, param in _layer_parameters(block):
+                key = ".".join(part for part in f"{path}.{index}.{name}".split(".") if part and part != "_module")
+                shape = grads[key].shape if mine else param.full_shape
+                value = grads[key].to(ctx.device) if mine else torch.empty(shape, dtype=param.dtype, device=ctx.device)
+                held = torch.tensor([float(mine and param.grad is not None)], device=ctx.device)
+                dist.broadcast(held, src=pipe.global_rank(stage), group=ctx.replica_group)
+                dist.broadcast(value, src=pipe.global_rank(stage), group=ctx.replica_group)
+                if not mine:
+                    grads[key] = value
+                    if held.item():
+                        filled.add(key)
+    return filled
+

@@ -129,13 +129,20 @@ def training() -> Dict[str, Any]:
         ref_optimizer.step()
         ref_losses.append(float(ref_loss))
     final = saved(model, "trained.pt")
+    # bmt.inspect.inspect_model sees every layer's values and gradients, whichever stage holds it; the manager
+    # leaves the gradients unclipped (the step applies the factor), torch's clipping scaled the reference's.
+    summary = {entry["name"]: entry for entry in bmt.inspect.inspect_model(model, "layers.*")}
+    clipped = min(1.0, 1.0 / (ref_norms[-1] + 1e-6))
+    inspected = max(max(abs(summary[k]["mean"] - float(ref[k].mean())),
+                        abs(summary[k]["grad_mean"] * clipped - float(ref[k].grad.mean())))
+                    for k in ref if k.startswith("layers."))
     with torch.no_grad():
         evaluated = model(ids[share], mask[share])
         ref_evaluated = reference(ref, ids, mask)[share]
     return {"losses": [losses, ref_losses], "norms": [norms, ref_norms], "keys": sorted(final) == sorted(ref),
             "init": {k: float(v.double().abs().sum()) for k, v in init.items()},
             "params": max(diff(final[k], ref[k].detach()) / float(ref[k].detach().abs().max()) for k in ref),
-            "moved": max(diff(final[k], init[k]) for k in ref),
+            "moved": max(diff(final[k], init[k]) for k in ref), "inspected": [sorted(summary), inspected],
             "no_grad": diff(evaluated, ref_evaluated) / float(ref_evaluated.abs().max())}
 
 
