@@ -151,7 +151,7 @@ class DistContext:
         """The global ranks of :attr:`shard_group`, this one included; ``None`` when it is the world."""
         if self.shard_size == self.world_size:
             return None
-        if self.pipe_size * self.tp_size > 1:  # the stage's ranks with this tensor-parallel place (BMTrain's tp_zero)
+        if self.pipe_size * self.tp_size > 1:  # the stage's ranks with this tensor-parallel place (pp_tp_zero)
             return stage_peers("shard", self.rank, self.world_size, self.pipe_size, self.tp_size)
         return tuple(_shard_groups(self.world_size, self.shard_size)[self.rank // self.shard_size])
 
