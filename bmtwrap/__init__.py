@@ -27,7 +27,8 @@ import sys as _sys
 from . import loss, lr_scheduler, optim
 from .bmtrain import debug, distributed, inspect, nccl, nn, utils, zero_context
 from .bmtrain.block import Block, BlockSharingError, CheckpointBlock
-from .bmtrain.blocklist import PipelineTransformerBlockList, TransformerBlockList
+from .bmtrain.blocklist import TransformerBlockList
+from .bmtrain.pipeline import PipelineTransformerBlockList
 from .checkpoint import (CheckpointInfo, from_pretrained, load, load_checkpoint, load_pretrained, load_state_dict, save,
                          save_checkpoint, save_pretrained)
 from .engine.dist import init_distributed, print_rank, rank, sum_loss, synchronize, wait_loader, world_size

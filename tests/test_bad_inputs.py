@@ -144,11 +144,11 @@ def cli(*args: str) -> Callable[[Path], None]:
 ROWS = [
     # init_distributed
     Row("init-zero-level", ValueError, r"zero_level must be 2 or 3, got 1", covered_by="tests/test_errors.py::test_init_distributed_rejects_zero_level_1"),
-    Row("init-pipeline", NotImplementedError, r"pipeline and sequence parallelism are not supported",
-        lambda f: bmt.init_distributed(pipe_size=2)),
+    Row("init-pipeline", ValueError, r"pipe_size \* tp_size = 2 \* 1 must divide the world size 1; start a multiple "
+        r"of 2 processes", lambda f: bmt.init_distributed(pipe_size=2)),
     Row("init-tensor-parallel", NotImplementedError, r"init_distributed\(shard_size=2\) with tp_size=2: .* leave "
         r"shard_size out", lambda f: bmt.init_distributed(tp_size=2, shard_size=2)),
-    Row("init-sequence-parallel", NotImplementedError, r"pipeline and sequence parallelism are not supported",
+    Row("init-sequence-parallel", NotImplementedError, r"sequence parallelism is not supported \(sp_size=2\)",
         lambda f: bmt.init_distributed(sp_size=2)),
     Row("init-timeout", ValueError, r"timeout must be a positive, finite time, got -5",
         lambda f: bmt.init_distributed(timeout=-5)),
@@ -196,6 +196,10 @@ ROWS = [
         lambda f: bmt.TransformerBlockList([bmt.Block(nn.Linear(2, 2))] * 2)),
     Row("block-list-num-hidden", ValueError, r"num_hidden must be >= 1, got 0",
         lambda f: bmt.TransformerBlockList([nn.Linear(2, 2)], num_hidden=0)),
+    Row("pipeline-few-layers", ValueError, r"1 layer\(s\) cannot be cut into pipe_size=2 stages",
+        covered_by="tests/test_pipeline.py::test_bad_input_names_the_fix"),
+    Row("pipeline-micro-batches", ValueError, r"do not split into num_micro_batches=4 micro-batches",
+        covered_by="tests/test_pipeline.py::test_bad_input_names_the_fix"),
     # optimizers
     Row("adam-negative-lr", ValueError, r"lr, eps and weight_decay must be >= 0",
         lambda f: bmt.optim.AdamOptimizer(wrapped().parameters(), lr=-1.0)),

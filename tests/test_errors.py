@@ -70,10 +70,16 @@ def test_init_distributed_rejects_zero_level_1():
         bmt.init_distributed(seed=0, zero_level=1)
 
 
-@pytest.mark.parametrize("kwargs", [{"pipe_size": 2}, {"sp_size": 2}], ids=["pipe_size", "sp_size"])
-def test_init_distributed_rejects_pipeline_and_sequence_parallelism(kwargs):
-    with pytest.raises(NotImplementedError, match=r"pipeline and sequence parallelism are not supported"):
-        bmt.init_distributed(seed=0, **kwargs)
+def test_init_distributed_rejects_sequence_parallelism_and_a_pipeline_the_world_cannot_hold():
+    with pytest.raises(NotImplementedError, match=r"sequence parallelism is not supported \(sp_size=2\)"):
+        bmt.init_distributed(seed=0, sp_size=2)
+    with pytest.raises(ValueError, match=r"pipe_size \* tp_size = 2 \* 1 must divide the world size 1; start a "
+                                         r"multiple of 2 processes"):
+        bmt.init_distributed(seed=0, pipe_size=2)
+    with pytest.raises(ValueError, match=r"pipe_size must be a whole number of ranks >= 1, got 0"):
+        bmt.init_distributed(seed=0, pipe_size=0)
+    with pytest.raises(NotImplementedError, match=r"shard_size=2\) with pipe_size=2: .* leave shard_size out"):
+        bmt.init_distributed(seed=0, pipe_size=2, shard_size=2)
 
 
 def test_init_distributed_rejects_bad_tensor_parallel_sizes():

@@ -4,7 +4,8 @@ Thin classes and helpers over ``bmtwrap.engine``; they import the engine and ``b
 reverse (BMTrain's ``save``/``load`` live in ``bmtwrap.checkpoint``, which the top level exports):
 
     block.py         Block / CheckpointBlock
-    blocklist.py     TransformerBlockList, PipelineTransformerBlockList
+    blocklist.py     TransformerBlockList
+    pipeline.py      PipelineTransformerBlockList: pipeline parallelism (init_distributed(pipe_size=P))
     module.py        DistributedModule (the root of a hand-written model), init_parameters
     initializer.py   ParameterInitializer
     config_view.py   bmt.config, a read-only view of the DistContext

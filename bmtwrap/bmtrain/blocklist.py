@@ -1,4 +1,7 @@
-"""TransformerBlockList: blocks applied one after another, hidden states threaded through."""
+"""TransformerBlockList: blocks applied one after another, hidden states threaded through.
+
+Its pipelined subclass, ``PipelineTransformerBlockList``, is in ``pipeline.py``.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from torch import nn
 
 from .block import Block, BlockSharingError
 
-__all__ = ["PipelineTransformerBlockList", "TransformerBlockList"]
+__all__ = ["TransformerBlockList"]
 
 
 def _make_blocks(modules: Iterable[nn.Module], list_name: str, *, pipe: bool) -> List[Block]:
@@ -90,7 +93,7 @@ class TransformerBlockList(nn.Module):
         h, hs = blocks(h, mask, return_hidden_states=True)
     """
 
-    _pipeline = False  # BMTrain's pipeline list takes only blocks built with mode="PIPE"
+    _pipeline = False  # BMTrain's pipeline list (pipeline.py) takes only blocks built with mode="PIPE"
 
     def __init__(self, modules: Iterable[nn.Module], num_hidden: int = 1) -> None:
         super().__init__()
@@ -152,45 +155,3 @@ class TransformerBlockList(nn.Module):
             stacked = tuple(torch.stack([step[i] for step in inputs], dim=0) for i in range(n))
             return outputs + stacked
         return outputs[0] if n == 1 else outputs[:n]
-
-
-class PipelineTransformerBlockList(TransformerBlockList):
-    """BMTrain's pipelined block list; here a :class:`TransformerBlockList` (pipeline size 1).
-
-    BMTrain runs a ``PipelineTransformerBlockList`` over the stages of its pipeline; bmtwrap has
-    no pipeline parallelism (``init_distributed(pipe_size>1)`` raises), so there is one stage:
-    the blocks are sharded over all ranks and called in sequence, and ``batch_related`` (which
-    arguments BMTrain splits into micro-batches) changes nothing.
-
-    Args:
-        modules: plain modules, or blocks built with ``mode="PIPE"`` (BMTrain's rule).
-        num_hidden: how many leading arguments are hidden states.
-
-    Raises:
-        TypeError: an element is not an ``nn.Module``.
-        ValueError: as :class:`TransformerBlockList`.
-        BlockSharingError: a ``Block`` built without ``mode="PIPE"``, or one given twice.
-
-    Example::
-
-        blocks = bmt.PipelineTransformerBlockList([Layer() for _ in range(24)])
-    """
-
-    _pipeline = True
-
-    def forward(self, *args: Any, batch_related: Sequence[int] = (), return_hidden_states: bool = False,
-                **kwargs: Any) -> Any:
-        """Call the blocks in sequence, as :meth:`TransformerBlockList.forward` does.
-
-        Args:
-            *args: the hidden states, then arguments every block gets unchanged.
-            batch_related: BMTrain's list of arguments to split into micro-batches; with one
-                pipeline stage nothing is split.
-            return_hidden_states: also return the inputs of every block.
-            **kwargs: passed to every block unchanged.
-
-        Returns:
-            As :meth:`TransformerBlockList.forward`.
-        """
-        del batch_related
-        return super().forward(*args, return_hidden_states=return_hidden_states, **kwargs)

@@ -4,7 +4,7 @@ BMTrain keeps NCCL communicators of its own in ``bmt.config`` (``comm``, ``zero_
 and a ``topology`` object that says which ranks each one joins. Here a :class:`Communicator` names a
 group of ranks and runs on a ``torch.distributed`` process group (NCCL on GPUs, gloo on CPUs);
 :class:`Topology` is BMTrain's layout of pipeline, tensor-parallel and ZeRO groups, computed for any
-sizes (bmtwrap itself runs with a pipeline size of 1).
+sizes.
 
 [Note: BMTrain's layout]
 With W ranks, P pipeline stages and T tensor-parallel ranks (W divisible by P * T), BMTrain cuts the
@@ -25,7 +25,11 @@ pipeline, the stage, the tensor-parallel group, ...). bmtwrap shards parameters 
 (``zero_comm``, ``pp_zero_comm``, ``tp_zero_comm``, ``pp_tp_zero_comm``) run over the shard group; with
 pipeline and tensor-parallel sizes of 1 that is BMTrain's layout exactly. With ``init_distributed(tp_size=T)``
 the shard group is BMTrain's tp_zero group (``tp_zero_comm``, ``pp_tp_zero_comm``), ``tp_comm`` runs over the
-tensor-parallel group, and ``zero_comm``, ``pp_zero_comm`` over every rank, as in BMTrain.
+tensor-parallel group, and ``zero_comm``, ``pp_zero_comm`` over every rank, as in BMTrain. With
+``init_distributed(pipe_size=P)`` ``pipe_comm`` runs over the pipe group (the engine's replica group),
+``zero_comm`` and ``pp_zero_comm`` over the stage (BMTrain's ZeRO group of a pipeline), and ``tp_zero_comm``,
+``pp_tp_zero_comm`` over the shard group (the stage's ranks with this tensor-parallel place: see [Note:
+pipeline layout] in ``bmtwrap/engine/stages.py``).
 """
 
 from __future__ import annotations
@@ -106,6 +110,7 @@ class Topology:
         return self.world_size // self.pipe_size
 
     stage_id = property(lambda self: self.rank // self.stage_size, doc="The rank's stage: its place in its pipeline.")
+    pipe_rank = property(lambda self: self.stage_id, doc="The place in the pipe group: the stage (BMTrain's other name).")
     pipe_idx = property(lambda self: self.rank % self.stage_size, doc="Which pipeline: the place in the stage.")
     tp_id = property(lambda self: self.rank % self.tp_size, doc="The place in the tensor-parallel group.")
     tp_idx = property(lambda self: self.rank // self.tp_size, doc="Which tensor-parallel group.")
@@ -203,6 +208,10 @@ class Communicator:
             return ctx.shard_group
         if ctx.tp_size > 1 and self.ranks == current_topology().ranks("tp"):
             return ctx.tp_group
+        if ctx.pipe_size > 1 and self.ranks == current_topology().ranks("pipe"):
+            return ctx.replica_group
+        if ctx.pipe_size > 1 and self.ranks == current_topology().ranks("pp_zero"):
+            return ctx.subgroups.get("stage") or ctx.shard_group
         assert self.ranks == (ctx.rank,), f"rank {ctx.rank}: no process group for the ranks {self.ranks}"
         if "self" not in ctx.subgroups:
             ctx.subgroups["self"] = dist.new_group([ctx.rank], use_local_synchronization=True)
@@ -244,10 +253,10 @@ def as_communicator(comm: Any, caller: str) -> Communicator:
 
 
 def current_topology() -> Topology:
-    """This process's :class:`Topology` (``bmt.config["topology"]``): a pipeline size of 1, ``init_distributed``'s
+    """This process's :class:`Topology` (``bmt.config["topology"]``): ``init_distributed``'s ``pipe_size`` and
     ``tp_size``."""
     ctx = _dist.current()
-    return Topology(rank=ctx.rank, world_size=ctx.world_size, tp_size=ctx.tp_size)
+    return Topology(rank=ctx.rank, world_size=ctx.world_size, pipe_size=ctx.pipe_size, tp_size=ctx.tp_size)
 
 
 def config_communicator(key: str) -> Communicator:
@@ -256,6 +265,8 @@ def config_communicator(key: str) -> Communicator:
     kind = CONFIG_COMMS[key]
     if kind is None:
         ranks: Tuple[int, ...] = tuple(range(ctx.world_size))
+    elif kind in ("zero", "pp_zero") and ctx.pipe_size > 1:
+        ranks = current_topology().ranks("pp_zero")  # BMTrain's ZeRO group of a pipeline: the stage
     elif kind in ("zero", "pp_zero") and ctx.tp_size > 1:
         ranks = tuple(range(ctx.world_size))  # BMTrain's ZeRO group of every rank (the stage's, of one stage)
     elif kind.endswith("zero"):

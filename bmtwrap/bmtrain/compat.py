@@ -27,7 +27,7 @@ __all__ = ["has_inf_nan", "has_inf_nan_bf16", "install_bmtrain_alias"]
 _ALIASES: Mapping[str, str] = MappingProxyType({
     "bmtrain": "bmtwrap",
     "bmtrain.block_layer": "bmtwrap.bmtrain.blocklist",
-    "bmtrain.pipe_layer": "bmtwrap.bmtrain.blocklist",
+    "bmtrain.pipe_layer": "bmtwrap.bmtrain.pipeline",
     "bmtrain.zero_context": "bmtwrap.bmtrain.zero_context",
     "bmtrain.global_var": "bmtwrap.bmtrain.config_view",
     "bmtrain.param_init": "bmtwrap.bmtrain.module",

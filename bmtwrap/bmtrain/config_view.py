@@ -19,23 +19,24 @@ __all__ = ["ConfigView", "config"]
 
 # BMTrain's keys that bmtwrap answers, and how, from the context. Without pipeline or tensor
 # parallelism the ZeRO group is the shard group (every rank, unless init_distributed(shard_size=...) made groups of
-# fewer): the zero rank is the rank in it; the pipe size is 1. With tensor parallelism the shard group is the tp_zero
-# group and BMTrain's ZeRO group every rank (see bmtrain/comm.py). The communicators (comm, zero_comm, tp_comm, ...)
-# and the topology are made on each lookup from the context (see bmtrain/comm.py): equal communicators compare equal.
+# fewer): the zero rank is the rank in it. With tensor parallelism the shard group is the tp_zero group and BMTrain's
+# ZeRO group every rank, or with pipelines the stage (see bmtrain/comm.py and engine/stages.py). The communicators
+# (comm, zero_comm, tp_comm, ...) and the topology are made on each lookup from the context (see bmtrain/comm.py): equal communicators compare equal.
 _KEYS: Dict[str, Callable[[_dist.DistContext], Any]] = {
     "initialized": lambda ctx: True,
     "rank": lambda ctx: ctx.rank,
     "world_size": lambda ctx: ctx.world_size,
     "local_rank": lambda ctx: ctx.local_rank,
     "zero_level": lambda ctx: ctx.zero_level,
-    "zero_rank": lambda ctx: ctx.rank if ctx.tp_size > 1 else ctx.shard_rank,
-    "pipe_size": lambda ctx: 1,
-    "pipe_enabled": lambda ctx: False,
-    "pipe_rank": lambda ctx: 0,
+    "zero_rank": lambda ctx: ctx.rank % (ctx.world_size // ctx.pipe_size) if ctx.tp_size > 1 else ctx.shard_rank,
+    "pipe_size": lambda ctx: ctx.pipe_size,
+    "pipe_enabled": lambda ctx: ctx.pipe_size > 1,
+    "pipe_rank": lambda ctx: ctx.rank // (ctx.world_size // ctx.pipe_size),
+    "micros": lambda ctx: ctx.micro_batches,
     "tp_size": lambda ctx: ctx.tp_size,
     "tp_rank": lambda ctx: ctx.tp_rank,
     "tp_zero_rank": lambda ctx: ctx.shard_rank,
-    "zero_size": lambda ctx: ctx.world_size if ctx.tp_size > 1 else ctx.shard_size,
+    "zero_size": lambda ctx: ctx.world_size // ctx.pipe_size if ctx.tp_size > 1 else ctx.shard_size,
     "tp_zero_size": lambda ctx: ctx.shard_size,
     "seed": lambda ctx: ctx.seed,
     "topology": lambda ctx: _comm.current_topology(),
@@ -68,13 +69,14 @@ class ConfigView(Mapping):
     """The class of :data:`config`: a read-only mapping of BMTrain's setting names to this process's values.
 
     Every lookup reads the context made by :func:`bmtwrap.init_distributed`. Keys: ``initialized``,
-    ``rank``, ``world_size``, ``local_rank``, ``zero_level``, ``zero_rank``, ``pipe_size`` (1),
-    ``pipe_enabled`` (False), ``pipe_rank`` (0), ``tp_size``, ``tp_rank`` (the place in ``tp_comm``),
+    ``rank``, ``world_size``, ``local_rank``, ``zero_level``, ``zero_rank``, ``pipe_size``,
+    ``pipe_enabled``, ``pipe_rank`` (the stage), ``micros`` (a pipeline's micro-batches), ``tp_size``,
+    ``tp_rank`` (the place in ``tp_comm``),
     ``tp_zero_rank``, ``zero_size``, ``tp_zero_size``, ``seed``, ``topology`` (a
     :class:`~bmtwrap.bmtrain.comm.Topology`), the communicators ``comm`` (every rank), ``zero_comm``,
     ``tp_zero_comm``, ``pp_zero_comm``, ``pp_tp_zero_comm`` (the ranks parameters are sharded over; with
     ``tp_size`` above 1, ``zero_comm`` and ``pp_zero_comm`` are every rank), ``tp_comm`` (the
-    tensor-parallel group) and ``pipe_comm`` (this rank alone) (each a :class:`~bmtwrap.bmtrain.comm.Communicator`);
+    tensor-parallel group) and ``pipe_comm`` (one rank of each stage; this rank alone without pipelines) (each a :class:`~bmtwrap.bmtrain.comm.Communicator`);
     on a GPU also ``load_stream`` (the engine's stream of copies to the
     device: waiting for it waits for the parameters it loads) and ``calc_stream`` (the device's
     default stream, where the model computes).

@@ -19,6 +19,7 @@ from ..engine.shard import find_owners, lone_group
 from ..engine.param import DistributedParameter
 from ..engine.runners import BlockModule, RootRunner
 from ..engine.schedule import Engine, TrainingState, engine
+from .pipeline import RemoteParameter
 
 __all__ = ["DistributedModule", "grouped_parameters", "init_parameters"]
 
@@ -111,6 +112,9 @@ def init_parameters(model: nn.Module) -> None:
     seen = set()
     for module in model.modules():
         for param in module._parameters.values():
+            if isinstance(param, RemoteParameter) and param.init_method is not None and id(param) not in seen:
+                seen.add(id(param))  # another pipeline stage keeps these numbers: draw them, as it does
+                param.init_method(torch.empty(param.full_shape, dtype=param.dtype, device=ctx.device))
             if not isinstance(param, DistributedParameter) or id(param) in seen or param._init_method is None:
                 continue
             seen.add(id(param))

@@ -110,10 +110,12 @@ def _as_schedulers(lr_scheduler: Any) -> List[Any]:
 
 
 def _refuse_tensor_parallel(ctx: DistContext) -> None:
-    # TODO: each rank's file would need its tensor-parallel place; waits for a layout that records it.
-    if ctx.tp_size > 1:
+    # TODO: each rank's file would need its tensor-parallel place and pipeline stage; waits for a layout that
+    # records them.
+    if ctx.tp_size > 1 or ctx.pipe_size > 1:
         raise NotImplementedError(
-            f"sharded checkpoints with init_distributed(tp_size={ctx.tp_size}) are not supported: save the model "
+            f"sharded checkpoints with init_distributed({'tp' if ctx.tp_size > 1 else 'pipe'}_size="
+            f"{ctx.tp_size if ctx.tp_size > 1 else ctx.pipe_size}) are not supported: save the model "
             "with bmt.save (whole tensors, loaded at any layout) and the optimizers per rank with torch.save")
 
 

@@ -140,25 +140,30 @@ def _mean_op(ctx: DistContext, size: int) -> tuple:
     return dist.ReduceOp.SUM, size
 
 
-def reduce_scatter_mean(ctx: DistContext, shard: torch.Tensor, full: torch.Tensor, *, label: str = "") -> Pending:
+def reduce_scatter_mean(ctx: DistContext, shard: torch.Tensor, full: torch.Tensor, *, label: str = "",
+                        one_stage: bool = False) -> Pending:
     """``shard`` = this rank's slice of the mean of every rank's ``full``; ``label`` names the buffer in errors.
 
     Under hybrid sharding, a reduce-scatter in the shard group and then an all-reduce of the shard over
-    the replica group, as one handle (see [Note: hybrid sharding]).
+    the replica group, as one handle (see [Note: hybrid sharding]). ``one_stage``: the buffer of a pipeline
+    stage's layer, which the replica group's other ranks do not hold: divided by the replicas instead (see
+    [Note: pipeline layout] in ``stages.py``).
     """
     assert full.numel() == shard.numel() * ctx.shard_size, (
         f"rank {ctx.rank}: reduce-scatter of {full.numel()} into {shard.numel()} x {ctx.shard_size} elements"
     )
     if ctx.shard_size == 1:
         shard.copy_(full)
+        if one_stage:
+            shard.div_(ctx.replicas)
         scattered = Pending(None, shard)
     else:
         op, divisor = _mean_op(ctx, ctx.shard_size)
         _count(ctx, "reduce-scatter", full.numel() * full.element_size(), ctx.shard_size)
         scattered = _issue(ctx, ("reduce-scatter", label), lambda: Pending(
-            reduce_scatter_single(shard, full, op=op, group=ctx.shard_group, async_op=True), shard, divisor),
-            ctx.shard_peers)
-    if ctx.replicas == 1:
+            reduce_scatter_single(shard, full, op=op, group=ctx.shard_group, async_op=True), shard,
+            divisor * (ctx.replicas if one_stage else 1)), ctx.shard_peers)
+    if ctx.replicas == 1 or one_stage:
         return scattered
     op, divisor = _mean_op(ctx, ctx.replicas)
     _count(ctx, "all-reduce over replicas", shard.numel() * shard.element_size(), ctx.replicas, factor=2)

@@ -22,6 +22,7 @@ from typing import Any, ContextManager, Dict, List, Optional, Protocol, Tuple, U
 import torch
 import torch.distributed as dist
 
+from .stages import check_sizes, make_stage_subgroups, stage_peers
 from .watchdog import Watchdog, default_store
 
 __all__ = [
@@ -71,6 +72,8 @@ class DistContext:
             replicate each other. ``world_size`` (the default) shards over every rank.
         tp_size: ranks of one tensor-parallel group (``init_distributed(tp_size=...)``; see [Note: tensor
             parallelism] in ``tp.py``); parameters are then sharded over ``shard_size = world_size // tp_size``.
+        pipe_size: pipeline stages (``init_distributed(pipe_size=...)``; see [Note: pipeline layout] in
+            ``stages.py``); parameters are then sharded inside the stage; ``micro_batches``: a pipeline's per batch.
         traffic: what the engine's collectives moved since the last reset (``collectives.traffic``).
         local_rank: rank on this host; picks the CUDA device.
         device: where parameters, gathers and reductions live (``cuda:<local_rank>`` or ``cpu``).
@@ -104,6 +107,8 @@ class DistContext:
     watchdog: Optional[Watchdog] = field(default=None, repr=False)
     shard_size: int = 0  # 0: world_size (set in __post_init__)
     tp_size: int = 1
+    pipe_size: int = 1
+    micro_batches: int = 1
     # What the engine's collectives moved: {operation: [calls, bytes each rank sent]} (see collectives.traffic).
     traffic: Dict[str, List[float]] = field(default_factory=dict, repr=False)
     # The sub-groups of a hybrid layout (None where the world group or no group serves): see shard_group; and
@@ -146,15 +151,17 @@ class DistContext:
         """The global ranks of :attr:`shard_group`, this one included; ``None`` when it is the world."""
         if self.shard_size == self.world_size:
             return None
-        if self.tp_size > 1:  # the ranks with this tensor-parallel place (BMTrain's tp_zero group)
-            return tuple(range(self.rank % self.tp_size, self.world_size, self.tp_size))
+        if self.pipe_size * self.tp_size > 1:  # the stage's ranks with this tensor-parallel place (pp_tp_zero)
+            return stage_peers("shard", self.rank, self.world_size, self.pipe_size, self.tp_size)
         return tuple(_shard_groups(self.world_size, self.shard_size)[self.rank // self.shard_size])
 
     @functools.cached_property
     def replica_peers(self) -> Optional[Tuple[int, ...]]:
         """The global ranks of :attr:`replica_group`, this one included; ``None`` when it is the world."""
-        if self.shard_size == 1 or self.replicas == 1:
+        if self.shard_size == 1 or self.replicas == 1 or self.replicas == self.world_size:
             return None
+        if self.pipe_size > 1:  # one rank of each stage: the pipeline's
+            return stage_peers("replica", self.rank, self.world_size, self.pipe_size, self.tp_size)
         return tuple(_replica_groups(self.world_size, self.shard_size)[self.shard_rank])
 
     @property
@@ -318,14 +325,16 @@ def init_distributed(
             divides the world size, ``"local"`` for the ranks of one node (torchrun's
             ``LOCAL_WORLD_SIZE``), or ``None``: the environment variable ``BMTWRAP_SHARD_SIZE`` if set,
             else one node's ranks when the job spans several nodes and every rank otherwise.
-        pipe_size: BMTrain's pipeline size, accepted for compatibility; above 1 raises
-            ``NotImplementedError`` (there is no pipeline parallelism).
+        pipe_size: BMTrain's pipeline stages: the ranks are cut into this many stages of consecutive ranks,
+            each holding a contiguous part of the layers of every ``PipelineTransformerBlockList``, and
+            parameters are sharded (ZeRO) inside the stage (see [Note: pipeline layout] in ``stages.py``).
+            ``pipe_size * tp_size`` must divide the world size; ``shard_size`` cannot be combined with it.
         tp_size: BMTrain's tensor-parallel size: groups of this many consecutive ranks split the
             parameters made with ``DistributedParameter(tp_mode=True)`` (``bmt.nn.ColumnParallelLinear``
             and the others), and every parameter is sharded (ZeRO) over the ranks with the same place
             in their group, ``world_size // tp_size`` of them (BMTrain's ``tp_zero_comm``). Must divide
             the world size; ``shard_size`` cannot be combined with it.
-        num_micro_batches: BMTrain's pipeline option, accepted for compatibility and ignored.
+        num_micro_batches: micro-batches a pipeline splits each batch into; default: ``pipe_size``.
         sp_size: BMTrain's sequence-parallel size, accepted for compatibility; above 1 raises
             ``NotImplementedError`` (there is no sequence parallelism).
 
@@ -333,13 +342,13 @@ def init_distributed(
         The process's :class:`DistContext`.
 
     Raises:
-        ValueError: ``zero_level`` not 2 or 3; an unknown backend; ``backend="nccl"`` without CUDA;
-            ``timeout`` not positive and finite; a ``shard_size`` that does not divide the world size, or
-            that the ranks disagree on.
+        ValueError: ``zero_level`` not 2 or 3; an unknown backend; ``pipe_size * tp_size`` not dividing the
+            world size; ``backend="nccl"`` without CUDA; ``timeout`` not positive and finite; a ``shard_size``
+            that does not divide the world size, or that the ranks disagree on.
         TypeError: ``timeout`` neither a ``timedelta`` nor a number of seconds.
         RuntimeError: ``LOCAL_RANK`` names a GPU this process cannot see (more processes than GPUs);
             ``RANK`` and ``WORLD_SIZE`` set without ``MASTER_ADDR`` or ``MASTER_PORT`` (not under torchrun).
-        NotImplementedError: ``pipe_size`` or ``sp_size`` above 1; ``shard_size`` with ``tp_size`` above 1.
+        NotImplementedError: ``sp_size`` above 1; ``shard_size`` with ``pipe_size`` or ``tp_size`` above 1.
 
     Example::
 
@@ -354,18 +363,20 @@ def init_distributed(
         raise ValueError(f"zero_level must be 2 or 3, got {zero_level!r}")
     if backend not in (None, "nccl", "gloo"):
         raise ValueError(f"backend must be 'nccl', 'gloo' or None, got {backend!r}")
-    if pipe_size > 1 or sp_size > 1:
+    if sp_size > 1:
+        raise NotImplementedError(f"sequence parallelism is not supported (sp_size={sp_size}); bmtwrap shards "
+                                  "parameters (ZeRO), with pipeline and tensor parallelism by pipe_size and tp_size")
+    pipe_size, micros = check_sizes(pipe_size, tp_size, num_micro_batches)
+    if pipe_size * tp_size > 1 and shard_size is not None:
         raise NotImplementedError(
-            f"pipeline and sequence parallelism are not supported (pipe_size={pipe_size}, sp_size={sp_size}); "
-            "bmtwrap shards parameters over all ranks (ZeRO), with tensor parallelism by tp_size"
-        )
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"tp_size must be a whole number of ranks >= 1, got {tp_size!r}")
-    if tp_size > 1 and shard_size is not None:
-        raise NotImplementedError(
-            f"init_distributed(shard_size={shard_size!r}) with tp_size={tp_size}: with tensor parallelism "
-            "parameters are sharded over the ranks with the same tensor-parallel place; leave shard_size out")
-    del num_micro_batches  # BMTrain's pipeline option; nothing to do without pipelines
+            f"init_distributed(shard_size={shard_size!r}) with {'tp' if tp_size > 1 else 'pipe'}_size="
+            f"{tp_size if tp_size > 1 else pipe_size}: parameters are sharded over the ranks of a pipeline stage with "
+            "the same tensor-parallel place; leave shard_size out")
+    parallel, world = pipe_size * tp_size, (dist.get_world_size() if dist.is_initialized() else
+                                            int(os.environ.get("WORLD_SIZE", "1")))  # before anything is made
+    if world % parallel:
+        raise ValueError(f"pipe_size * tp_size = {pipe_size} * {tp_size} must divide the world size {world}; start a "
+                         f"multiple of {parallel} processes")
     wait_limit = _check_timeout(timeout)
     if is_initialized():
         warnings.warn("bmtwrap.init_distributed() was called again; keeping the first context", stacklevel=2)
@@ -401,10 +412,7 @@ def init_distributed(
                           f"was initialised before, with a timeout of {wait_limit.total_seconds():g} s; pass the "
                           "timeout to init_process_group instead", stacklevel=2)
     world = dist.get_world_size()
-    if world % tp_size:
-        raise ValueError(f"tp_size={tp_size} must divide the world size {world}; start a multiple of "
-                         f"{tp_size} processes")
-    shards = world // tp_size if tp_size > 1 else _agreed_shard_size(_resolve_shard_size(shard_size, world), device)
+    shards = world // parallel if parallel > 1 else _agreed_shard_size(_resolve_shard_size(shard_size, world), device)
     _CONTEXT = DistContext(
         rank=dist.get_rank(),
         world_size=world,
@@ -415,8 +423,10 @@ def init_distributed(
         timeout=wait_limit,
         shard_size=shards,
         tp_size=tp_size,
-        subgroups=(_tp_subgroups if tp_size > 1 else _make_subgroups)(world, tp_size if tp_size > 1 else shards,
-                                                                       wait_limit),
+        pipe_size=pipe_size,
+        micro_batches=micros,
+        subgroups=(make_stage_subgroups(world, pipe_size, tp_size, wait_limit) if parallel > 1 else
+                   _make_subgroups(world, shards, wait_limit)),
     )
     if _CONTEXT.world_size > 1:
         _CONTEXT.watchdog = Watchdog(default_store(), _CONTEXT.rank, _CONTEXT.world_size, wait_limit,
@@ -479,15 +489,6 @@ def _make_subgroups(world: int, shards: int, wait_limit: datetime.timedelta) -> 
     shard, _ = dist.new_subgroups_by_enumeration(_shard_groups(world, shards), timeout=wait_limit)
     replica, _ = dist.new_subgroups_by_enumeration(_replica_groups(world, shards), timeout=wait_limit)
     return {"shard": shard, "replica": replica}
-
-
-def _tp_subgroups(world: int, tp_size: int, wait_limit: datetime.timedelta) -> Dict[str, Any]:
-    """``"tp"``: groups of ``tp_size`` consecutive ranks; ``"shard"``: the ranks with one place in theirs (tp_zero)."""
-    if tp_size == world:
-        return {}
-    tp, _ = dist.new_subgroups_by_enumeration(_shard_groups(world, tp_size), timeout=wait_limit)
-    shard, _ = dist.new_subgroups_by_enumeration(_replica_groups(world, tp_size), timeout=wait_limit)
-    return {"tp": tp, "shard": shard}
 
 
 def _shard_groups(world: int, shards: int) -> List[List[int]]:

@@ -135,6 +135,8 @@ class FlatBuffer:
         # for each (see await_write).
         self._writes: List[Any] = []
         self.group: Optional["ParamGroup"] = None  # the group that gathers it (set by ParamGroup)
+        # A layer of one pipeline stage: no other stage holds it (see [Note: pipeline layout] in stages.py).
+        self.one_stage = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -295,7 +297,7 @@ class FlatBuffer:
                                          if isinstance(s.param, DistributedParameter) and s.param.tp_mode])
         shard = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=self.ctx.device)
         with record_function(f"bmtwrap.reduce_scatter:{self.label}"):
-            pending = reduce_scatter_mean(self.ctx, shard, full_grad, label=self.label)
+            pending = reduce_scatter_mean(self.ctx, shard, full_grad, label=self.label, one_stage=self.one_stage)
         return PendingReduction(self, pending, full_grad)
 
     def accumulate_grad(self, shard: torch.Tensor) -> None:

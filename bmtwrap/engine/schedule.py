@@ -120,19 +120,16 @@ class ExecutionOrder:
         self.known = False  # a whole step (forward and backward) has been seen
 
     def first_of(self, root: Participant) -> Optional[Linked]:
-        """The block that first ran first in ``root``'s forward, if one did."""
-        return self._firsts.get(root)
+        return self._firsts.get(root)  # the block that first ran first in root's forward, if one did
 
     def record(self, block: Linked) -> None:
         last = self._last() if self._last is not None else None
         root = self._root() if self._root is not None else None
         if last is None and root is not None and root not in self._firsts:
             self._firsts[root] = block
-        if last is not None and last is not block:
-            if last.next_block is None:
-                last.next_block = block
-            if block.prev_block is None:
-                block.prev_block = last
+        if last is not None and last is not block:  # the first links stay
+            last.next_block = block if last.next_block is None else last.next_block
+            block.prev_block = last if block.prev_block is None else block.prev_block
         self._last = weakref.ref(block)
 
     def restart(self, root: Optional[Participant] = None) -> None:
@@ -177,9 +174,7 @@ class Schedule:
 
     @staticmethod
     def _with_neighbour(block: Linked, neighbour: Optional[Linked]) -> List[ParamGroup]:
-        if neighbour is None or neighbour is block:
-            return [block.group]
-        return [block.group, neighbour.group]
+        return [block.group] if neighbour is None or neighbour is block else [block.group, neighbour.group]
 
 
 class Engine:
@@ -216,6 +211,7 @@ class Engine:
         # must not keep a model the program dropped alive.
         self._in_backward: List["weakref.ref[Participant]"] = []
         self._callback_task = -1  # the autograd graph task our end-of-backward callback is queued on
+        self._inner = 0  # > 0 while backward passes run inside another (see inner_backward)
         # Offloaded buffers whose gradients this backward copies to the host (see [Note: offloaded shards]).
         self._host_grads: Dict[int, FlatBuffer] = {}
         self._step_hook: Optional[Any] = None  # the handle of install_step_check's hook
@@ -238,10 +234,9 @@ class Engine:
         memory training leaves free; ``checkpoint="auto"`` keeps activations only in what remains.
         See [Note: who gets the GPU memory left] in ``bmtwrap/engine/placement.py``.
         """
+        self._gpu_claims.pop(owner, None)
         if nbytes > 0:
             self._gpu_claims[owner] = nbytes
-        else:
-            self._gpu_claims.pop(owner, None)
 
     def gpu_claims(self) -> int:
         """The bytes claimed with :meth:`claim_gpu_memory` by live owners."""
@@ -394,8 +389,7 @@ class Engine:
         if not any(ref() is participant for ref in self._in_backward):
             self._in_backward.append(weakref.ref(participant))
 
-    def _backward_participants(self) -> List[Participant]:
-        """The live participants that ran forward with grad since the last backward."""
+    def _backward_participants(self) -> List[Participant]:  # live, ran forward with grad since the last backward
         return [p for p in (ref() for ref in self._in_backward) if p is not None]
 
     def _take_backward_participants(self) -> List[Participant]:
@@ -454,8 +448,7 @@ class Engine:
     def register_wrapped(self, model: nn.Module, record: WrapRecord) -> None:
         """Remember what :func:`bmtwrap.wrap` made of ``model`` (so that wrapping again is detected)."""
         assert record.model() is model, f"rank {self.ctx.rank}: a wrap record of another model"
-        # The model keeps the record (and with it the runners and the GPU memory) alive, and nothing else does: a
-        # model nobody refers to any more is freed with all of it.
+        # The model keeps the record (the runners, the GPU memory) alive, nothing else does: a model dropped is freed.
         object.__setattr__(model, RECORD_ATTRIBUTE, record)
         self._wrapped = {k: ref for k, ref in self._wrapped.items() if ref() is not None}
         self._wrapped[id(model)] = weakref.ref(record)
@@ -497,9 +490,19 @@ class Engine:
         stop the next one from queueing its own.
         """
         task = _graph_task()
-        if task != self._callback_task:
+        if task != self._callback_task and not self._inner:
             Variable._execution_engine.queue_callback(self._backward_finished)
             self._callback_task = task
+
+    @contextlib.contextmanager
+    def inner_backward(self) -> Iterator[None]:
+        """Backward passes run in the body, inside the running one (a pipeline's micro-batches), end with it."""
+        self.backward_started()
+        self._inner += 1
+        try:
+            yield
+        finally:
+            self._inner -= 1
 
     def add_reductions(self, pending: List[PendingReduction], *, final: bool = False) -> None:
         """Reductions just issued; ``final``: no more gradient reaches these buffers in this backward."""

@@ -303,9 +303,11 @@ def grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.T
         for p in sharded:
             if p.numel():
                 local = torch.maximum(local, grad_of(p).abs().max().float().to(ctx.device))
-        if ctx.shard_size > 1 or ctx.tp_size > 1:  # one shard group holds every piece once (see [Note: hybrid
-            # sharding]); the tensor-parallel group's hold different slices (see [Note: tensor parallelism])
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=ctx.shard_group if ctx.tp_size == 1 else ctx.group)
+        if ctx.shard_size > 1 or ctx.tp_size > 1 or ctx.pipe_size > 1:  # one shard group holds every piece once
+            # (see [Note: hybrid sharding]); the tensor-parallel group's hold different slices (see [Note: tensor
+            # parallelism]), the pipeline stages different layers (see [Note: pipeline layout])
+            single = ctx.tp_size == 1 and ctx.pipe_size == 1
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=ctx.shard_group if single else ctx.group)
         for p in replicated:
             if p.numel():
                 local = torch.maximum(local, grad_of(p).abs().max().float().to(ctx.device))
@@ -322,14 +324,26 @@ def grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.T
                 acc += norm_term(grad_of(p), norm_type).to(ctx.device)
         return acc
 
+    def one_stage(p: torch.Tensor) -> bool:  # a pipeline stage's layer: the other stages hold other layers
+        return eng.registry.buffer_of(ctx, p)[0].one_stage
+
     split = [p for p in sharded if getattr(p, "tp_split_dim", None) is not None]
-    local = power_sum([p for p in sharded if getattr(p, "tp_split_dim", None) is None])
+    whole = [p for p in sharded if getattr(p, "tp_split_dim", None) is None]
+    local = power_sum([p for p in whole if not one_stage(p)])
     if ctx.shard_size > 1:  # over one shard group: the replicas' pieces are the same ones again
         dist.all_reduce(local, op=dist.ReduceOp.SUM, group=ctx.shard_group)
-    if split:  # slices split by tensor parallelism: every rank holds different pieces
-        split_sum = power_sum(split)
+    if ctx.pipe_size > 1:  # a stage's own layers: over its shard group, then over the stages (whose layers differ)
+        staged = power_sum([p for p in whole if one_stage(p)])
+        if ctx.shard_size > 1:
+            dist.all_reduce(staged, op=dist.ReduceOp.SUM, group=ctx.shard_group)
+        dist.all_reduce(staged, op=dist.ReduceOp.SUM, group=ctx.replica_group)
+        local = local + staged
+    if split:  # slices split by tensor parallelism: every rank holds different pieces, every stage the same
+        # ones again but of its own layers (counted pipe_size times here, as the others are)
+        split_sum = sum(power_sum([p for p in split if one_stage(p) == own]) * (ctx.pipe_size if own else 1)
+                        for own in (False, True))
         dist.all_reduce(split_sum, op=dist.ReduceOp.SUM, group=ctx.group)
-        local = local + split_sum
+        local = local + split_sum / ctx.pipe_size
     return (local + power_sum(replicated)) ** (1.0 / norm_type)
 
 

@@ -8,7 +8,9 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
+from ...engine.dist import agree_max, current
 from ...engine.full_state import full_grad_dict, full_state_dict
+from ..pipeline import share_stage_grads
 
 __all__ = ["inspect_model"]
 
@@ -48,16 +50,20 @@ def inspect_model(model: nn.Module, param_name: str, prefix: str = "") -> List[D
     chosen = [name for name, full in full_names.items() if fnmatch.fnmatch(prefix + full, param_name)]
     wanted = {full_names[name] for name in chosen}
     values = full_state_dict(model, with_buffers=False, select=lambda key: key in wanted)
-    # Gathering gradients is model-wide; done only when some chosen parameter has one.
+    # Gathering gradients is model-wide; done only when some chosen parameter has one (on some rank: another
+    # pipeline stage may hold it).
     has_grad = any(params[name].grad is not None for name in chosen)
+    if current().pipe_size > 1:
+        has_grad = bool(agree_max([int(has_grad)], "inspect_model")[0])
     grads: Optional[Dict[str, torch.Tensor]] = full_grad_dict(model) if has_grad else None
+    elsewhere = share_stage_grads(model, grads) if grads is not None and current().pipe_size > 1 else set()
     out = []
     for name in chosen:
         full = full_names[name]
         value = values[full]
         entry: Dict[str, Any] = {"name": prefix + full, "shape": tuple(value.shape), **_stats(value),
                                  "grad_std": 0.0, "grad_mean": 0.0}
-        if grads is not None and params[name].grad is not None:
+        if grads is not None and (params[name].grad is not None or full in elsewhere):
             grad = grads[full].float()
             entry["grad_std"] = grad.std().item()
             entry["grad_mean"] = grad.mean().item()
