@@ -46,6 +46,7 @@ from .auto import AutoRecompute, auto_recompute
 from .compiled import CompileOption, compile_options, compiled_forward
 from .detect import LayerPolicy
 from .instance_forward import replace_forward
+from .tensor_parallel import check_tp_size, mark_split, split_by_plan
 from .plan import (PARAMS_SHARE, Checkpoint, OffloadOptions, WrapPlan, make_plan, offload_params_auto,
                    params_and_grads_bytes)
 
@@ -63,6 +64,7 @@ class WrapOptions:
     max_gpu_memory: Optional[int]
     offload_params: Union[bool, str]  # as given; the plan's offload options hold what "auto" chose
     keep_logits: bool
+    tp_size: int
     compile: Any  # as given: True, False, "auto", or torch.compile's options as sorted (name, value) pairs
 
 
@@ -330,7 +332,7 @@ def _already_wrapped(model: nn.Module, options: WrapOptions) -> Optional[nn.Modu
 def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: Checkpoint = "auto",
          zero_level: Optional[int] = None, reduce_dtype: Optional[torch.dtype] = None,
          max_gpu_memory: Union[int, str, None] = None, offload_params: Union[bool, str] = "auto",
-         keep_logits: bool = False, compile: CompileOption = "auto") -> nn.Module:
+         keep_logits: bool = False, compile: CompileOption = "auto", tp_size: Optional[int] = None) -> nn.Module:
     """Shard ``model`` over all ranks, in place, and return it.
 
     The repeated layers (an ``nn.ModuleList``/``nn.Sequential`` of one class, or a class a Hugging
@@ -391,6 +393,15 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
             Blocks of the same shapes share one compilation, which the first training step pays
             (a few seconds for an 8B-class layer on an H100); a block that fails to compile runs in
             eager mode with one warning. See [Note: compiled blocks] in ``bmtwrap/wrap/compiled.py``.
+        tp_size: tensor parallelism for a Hugging Face model, from its own plan (``model.tp_plan``): in
+            groups of this many consecutive ranks each rank keeps its slice of the layers the plan splits
+            (its attention heads and its part of the MLP, its rows of the vocabulary), and every parameter
+            is then sharded (ZeRO) over the ``world_size // tp_size`` ranks with the same place in their
+            group; gradients are averaged over those. Every rank of a group must get the same batch. It
+            must divide the world size and the model's attention and key/value heads. Default: the
+            process group's (``init_distributed(tp_size=...)``), 1 unless set there; when ``wrap`` starts
+            the process group, it sets it up with this ``tp_size``. See [Note: the Hugging Face
+            tensor-parallel plan] in ``bmtwrap/wrap/tensor_parallel.py``.
 
     Returns:
         ``model`` itself. Calling ``wrap`` again on a wrapped model with the same options is a
@@ -399,7 +410,10 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
         ValueError: bad options; a class in ``layers`` that the model does not have; the model
-            already contains :class:`~bmtwrap.Block` modules; parameters on several devices.
+            already contains :class:`~bmtwrap.Block` modules; parameters on several devices; a
+            ``tp_size`` that does not divide the world size or the heads, differs from the process
+            group's, or is given for a model with no tensor-parallel plan.
+        NotImplementedError: a style of the tensor-parallel plan that bmtwrap does not apply.
 
     :func:`bmtwrap.init_distributed` is called with its defaults if it has not been.
 
@@ -418,23 +432,21 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
         raise ValueError(f"offload_params must be True, False or 'auto', got {offload_params!r}")
     if not isinstance(keep_logits, bool):
         raise ValueError(f"keep_logits must be True or False, got {keep_logits!r}")
-    ctx = _dist.current() if _dist.is_initialized() else _dist.init_distributed()
-    if ctx.tp_size > 1:
-        # Its layers are not split: each rank of a tensor-parallel group would train a copy on the same rows.
-        raise NotImplementedError(
-            f"wrap() under init_distributed(tp_size={ctx.tp_size}) is not supported: tensor parallelism splits only "
-            "the layers of bmt.nn (ColumnParallelLinear, RowParallelLinear, VPEmbedding); build the model from "
-            "them, or leave tp_size out and let wrap() shard the model over every rank")
+    tp_size = check_tp_size(tp_size, None)
+    ctx = _dist.current() if _dist.is_initialized() else _dist.init_distributed(tp_size=tp_size or 1)
+    tp_size = check_tp_size(tp_size, ctx)
     compile_with = compile_options(compile, ctx.device)
     eng = engine(ctx)
     compared = compile if isinstance(compile, (bool, str)) else tuple(sorted(compile_with.items()))
     options = WrapOptions(layers, checkpoint, zero_level or ctx.zero_level, reduce_dtype, max_gpu_memory,
-                          offload_params, keep_logits, compared)
+                          offload_params, keep_logits, tp_size, compared)
     if _already_wrapped(model, options) is not None:
         return model
     if any(isinstance(m, BlockModule) for m in model.modules()):
         raise ValueError("this model already contains bmtwrap Blocks; wrap a plain model, or use the Blocks as they are")
     eng.dissolve_wrapped_under(model)  # wrapped parts are sharded again as parts of this model
+    # Before the plan and the sharding: they see each parameter at the shape of this rank's slice.
+    split = split_by_plan(model, ctx) if tp_size > 1 else None
 
     params_offloaded = (_offload_params_chosen(model, ctx, max_gpu_memory) if offload_params == "auto"
                         else offload_params)
@@ -461,6 +473,9 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
     root_group = build_group(ctx, eng.registry, model, ROOT_LABEL, lambda g, p: None, reduce_dtype,
                              exclude=owned, allow_meta=True)
     root = RootRunner(eng, root_group, replicated=[])
+    if split is not None:
+        mark_split([runner.group for _, runner in runners] + [root_group], split)
+        restore_forwards += split.restores
     if not keep_logits:
         loss_handles, restore_head = adapter.loss_without_logits(model)
         handles += loss_handles

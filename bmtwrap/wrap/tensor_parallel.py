@@ -1,0 +1,246 @@
+"""Tensor parallelism for Hugging Face models: ``wrap(model, tp_size=T)`` splits the layers its plan names.
+
+[Note: the Hugging Face tensor-parallel plan]
+A transformers 5 model carries its plan as ``model.tp_plan``: module names (layer numbers written
+``*``) mapped to styles, merged by transformers from the config's ``base_model_tp_plan`` and the
+head's ``_tp_plan`` (Llama: ``model.layers.*.self_attn.q_proj: colwise``, ``o_proj: rowwise``,
+``model.embed_tokens: embedding_rowwise``, ``lm_head: colwise_gather_output``). In a group of ``T``
+consecutive ranks, rank ``r`` of the group applies each style as follows:
+
+    colwise                nn.Linear: keeps rows ``r*O/T .. (r+1)*O/T`` of the weight (its output features:
+                           its attention heads, its slice of the MLP) and of the bias. The input is whole
+                           (``tp.copy_whole``: its gradient is summed over the group); the output is this
+                           rank's columns, which the attention reshapes into its heads (``-1`` heads).
+    rowwise                nn.Linear: keeps the matching columns of the weight; the bias stays whole.
+                           Output ``all_reduce(x_r W_r^T) + b`` (``tp.all_reduce_whole``): whole, the bias
+                           added once.
+    embedding_rowwise      nn.Embedding: keeps rows ``r*V/T .. (r+1)*V/T`` of the vocabulary; ids outside
+                           them look up zeros and the group's lookups are summed. Kept whole when the
+                           vocabulary does not divide by ``T`` or the weight is tied to another module.
+    colwise_gather_output  (the LM head) kept whole: its logits are whole on every rank with no gather,
+    replicate              and bmtwrap's loss without the logits reads its weight whole. ZeRO still
+                           shards it over the data-parallel ranks.
+
+Any other style raises ``NotImplementedError`` naming it. Activations between layers are therefore
+whole on every rank of the group: norms, rowwise biases and the head get their true gradient on
+every rank, and each split weight its slice's true one, so nothing is summed over the group
+(``TpLayout.WHOLE``; BMTrain's layout sums, see [Note: tensor parallelism] in ``engine/tp.py``).
+The split parameters are recorded on their slots (``ParamSlot.tp_split_dim``): ``state_dict()``
+and bmtwrap's checkpoints join them whole, and ``load_state_dict`` of whole tensors cuts them.
+
+Why not transformers' own ``apply_tensor_parallelism``: its styles turn each parameter into a DTensor
+and move activations through DTensor redistributions, while bmtwrap's flat buffers hold plain tensors
+(every parameter becomes a 1-D view of its shard), so the DTensors would not survive sharding. The
+two collectives it needs are ``tp.copy_whole`` and ``tp.all_reduce_whole``, which match transformers'
+private ``_AllReduceBackward`` and ``_AllReduceForward``.
+
+Every rank of a tensor-parallel group computes on the same batch: the data-parallel ranks are the
+groups, ``rank // T`` of ``world_size // T``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..engine import dist as _dist
+from ..engine.group import ParamGroup
+from ..engine.tp import TpLayout, all_reduce_whole, copy_whole
+from .instance_forward import replace_forward
+
+__all__ = ["TensorParallelSplit", "check_tp_size", "mark_split", "split_by_plan"]
+
+# Styles of the plan that leave the module whole (see the Note).
+_KEPT_WHOLE = ("colwise_gather_output", "replicate")
+# The projections whose output features are attention heads (transformers' get_kv_heads_per_rank names them).
+_HEAD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value")
+
+
+@dataclass
+class TensorParallelSplit:
+    """What :func:`split_by_plan` did to a model.
+
+    Attributes:
+        dims: ``id(parameter)`` -> the dimension it was split along, for every split parameter.
+        restores: each undoes one change to a module (its forward, its ``padding_idx``).
+    """
+
+    dims: Dict[int, int] = field(default_factory=dict)
+    restores: List[Callable[[], None]] = field(default_factory=list)
+
+
+def check_tp_size(tp_size: Optional[int], ctx: Optional[_dist.DistContext]) -> Optional[int]:
+    """``wrap``'s ``tp_size`` checked against the job: the context's when ``None`` (``ctx`` ``None``: before the
+    process group exists, only the value is checked).
+
+    Raises:
+        ValueError: not a whole number >= 1; not dividing the world size; another size than the process group's.
+    """
+    if tp_size is not None and (isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1):
+        raise ValueError(f"tp_size must be a whole number of ranks >= 1, got {tp_size!r}")
+    if ctx is None or tp_size is None:
+        return tp_size if ctx is None else ctx.tp_size
+    if ctx.world_size % tp_size:
+        raise ValueError(f"wrap(tp_size={tp_size}): tp_size must divide the world size {ctx.world_size}; give one of "
+                         f"{_divisors(ctx.world_size)}, or start a multiple of {tp_size} processes")
+    if tp_size != ctx.tp_size:
+        raise ValueError(f"wrap(tp_size={tp_size}), but the process group was set up with tensor-parallel groups of "
+                         f"{ctx.tp_size}: call bmtwrap.init_distributed(tp_size={tp_size}) before wrap, or leave "
+                         "init_distributed out and let wrap set it up")
+    return tp_size
+
+
+def split_by_plan(model: nn.Module, ctx: _dist.DistContext) -> TensorParallelSplit:
+    """Keep this rank's slices of the layers ``model.tp_plan`` names and make their forwards tensor-parallel, in
+    place (see [Note: the Hugging Face tensor-parallel plan]). Before sharding: the parameters' shapes become
+    this rank's slices.
+
+    Raises:
+        ValueError: the model has no plan; its attention heads or a split layer's features do not divide by
+            ``ctx.tp_size`` (the message lists the sizes that do).
+        NotImplementedError: a style of the plan other than the Note's, or a module of the wrong kind for its style.
+    """
+    from transformers.integrations.tensor_parallel import replace_layer_number_by_wildcard
+
+    plan = getattr(model, "tp_plan", None)
+    if not plan:
+        raise ValueError(
+            f"wrap(tp_size={ctx.tp_size}) splits a model by its Hugging Face tensor-parallel plan (model.tp_plan), "
+            f"and this {type(model).__name__} has none: give a transformers model whose config has a "
+            "base_model_tp_plan, set model.tp_plan = {'module.name': 'colwise' | 'rowwise', ...}, or leave tp_size "
+            "out (ZeRO over every rank)")
+    _check_heads(model, plan, ctx)
+    styled = [(name, module, plan[replace_layer_number_by_wildcard(name)]) for name, module in model.named_modules()
+              if replace_layer_number_by_wildcard(name) in plan]
+    for name, _ in model.named_parameters():
+        style = plan.get(replace_layer_number_by_wildcard(name))
+        if style is not None and style not in _KEPT_WHOLE:
+            raise NotImplementedError(f"wrap(tp_size={ctx.tp_size}): the plan splits the parameter '{name}' "
+                                      f"('{style}'); bmtwrap splits whole linear and embedding modules only")
+    uses = _parameter_uses(model)
+    split = TensorParallelSplit()
+    for name, module, style in styled:
+        if style in _KEPT_WHOLE:
+            continue
+        if style in ("colwise", "rowwise"):
+            _split_linear(name, module, style, ctx, split)
+        elif style == "embedding_rowwise":
+            _split_embedding(name, module, ctx, split, tied=uses.get(id(getattr(module, "weight", None)), 0) > 1)
+        else:
+            raise NotImplementedError(
+                f"wrap(tp_size={ctx.tp_size}): the plan gives '{name}' the style '{style}', which bmtwrap does not "
+                "apply (it applies colwise, rowwise, embedding_rowwise; colwise_gather_output and replicate stay "
+                "whole); set model.tp_plan without it, or leave tp_size out")
+    return split
+
+
+def mark_split(groups: List[ParamGroup], split: TensorParallelSplit) -> None:
+    """Record on the groups' slots which parameters are split, and mark every buffer ``TpLayout.WHOLE``."""
+    for group in groups:
+        for buffer in group.buffers:
+            buffer.tp_layout = TpLayout.WHOLE
+            for slot in buffer.slots:
+                slot.tp_split_dim = split.dims.get(id(slot.param))
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _check_heads(model: nn.Module, plan: Dict[str, str], ctx: _dist.DistContext) -> None:
+    """The attention heads and key/value heads must divide among the group (GQA's k/v heads too)."""
+    if not any(key.rsplit(".", 1)[-1] in _HEAD_PROJECTIONS and style == "colwise" for key, style in plan.items()):
+        return
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    if not isinstance(heads, int):
+        return
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if heads % ctx.tp_size or kv_heads % ctx.tp_size:
+        common = math.gcd(heads, kv_heads, ctx.world_size)
+        raise ValueError(
+            f"wrap(tp_size={ctx.tp_size}): this {type(model).__name__} has {heads} attention heads and {kv_heads} "
+            f"key/value heads, which tensor parallelism deals out among the ranks of a group, so tp_size must divide "
+            f"both; valid tp sizes here (world size {ctx.world_size}): {_divisors(common)}")
+
+
+def _parameter_uses(model: nn.Module) -> Dict[int, int]:
+    """How many (module, attribute) places hold each parameter: above 1, it is tied."""
+    uses: Dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        uses[id(param)] = uses.get(id(param), 0) + 1
+    return uses
+
+
+@torch.no_grad()
+def _keep_slice(param: Optional[nn.Parameter], dim: int, ctx: _dist.DistContext, split: TensorParallelSplit) -> None:
+    """Make ``param`` (the same object) hold only this rank's slice along ``dim``."""
+    if param is None:
+        return
+    param.grad = None
+    param.data = param.data.chunk(ctx.tp_size, dim=dim)[ctx.tp_rank].clone()
+    split.dims[id(param)] = dim
+
+
+def _split_linear(name: str, module: nn.Module, style: str, ctx: _dist.DistContext,
+                  split: TensorParallelSplit) -> None:
+    if not isinstance(module, nn.Linear):
+        raise NotImplementedError(f"wrap(tp_size={ctx.tp_size}): the plan makes '{name}' {style}, but it is a "
+                                  f"{type(module).__name__}, not an nn.Linear; bmtwrap splits plain linear layers")
+    features = module.out_features if style == "colwise" else module.in_features
+    if features % ctx.tp_size:
+        which = "output" if style == "colwise" else "input"
+        raise ValueError(f"wrap(tp_size={ctx.tp_size}): '{name}' ({style}) has {features} {which} features, which do "
+                         f"not divide among {ctx.tp_size} ranks; valid tp sizes for it (world size {ctx.world_size}): "
+                         f"{_divisors(math.gcd(features, ctx.world_size))}")
+    if style == "colwise":
+        _keep_slice(module.weight, 0, ctx, split)
+        _keep_slice(module.bias, 0, ctx, split)
+
+        def colwise(x: torch.Tensor) -> torch.Tensor:  # x (..., I) whole -> (..., O / T), this rank's features
+            return F.linear(copy_whole(x), module.weight, module.bias)
+
+        split.restores.append(replace_forward(module, colwise))
+        return
+    _keep_slice(module.weight, 1, ctx, split)
+
+    def rowwise(x: torch.Tensor) -> torch.Tensor:  # x (..., I / T), this rank's features -> (..., O) whole
+        out = all_reduce_whole(F.linear(x, module.weight))
+        return out if module.bias is None else out + module.bias
+
+    split.restores.append(replace_forward(module, rowwise))
+
+
+def _split_embedding(name: str, module: nn.Module, ctx: _dist.DistContext, split: TensorParallelSplit,
+                     tied: bool) -> None:
+    if not isinstance(module, nn.Embedding):
+        raise NotImplementedError(f"wrap(tp_size={ctx.tp_size}): the plan makes '{name}' embedding_rowwise, but it "
+                                  f"is a {type(module).__name__}, not an nn.Embedding")
+    vocab = module.num_embeddings
+    if tied or vocab % ctx.tp_size:
+        return  # whole (see the Note): exact, and the head it is tied to is whole too
+    part = vocab // ctx.tp_size
+    start, end = ctx.tp_rank * part, (ctx.tp_rank + 1) * part
+    _keep_slice(module.weight, 0, ctx, split)
+    padding = module.padding_idx
+    module.padding_idx = padding - start if padding is not None and start <= padding < end else None
+    original = module.forward
+
+    def embedding_rowwise(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        outside = (input < start) | (input >= end)  # ids of the other ranks' rows
+        looked = original(torch.where(outside, torch.zeros_like(input), input - start), *args, **kwargs)
+        return all_reduce_whole(looked.masked_fill(outside.unsqueeze(-1), 0))
+
+    restore_forward = replace_forward(module, embedding_rowwise)
+
+    def restore() -> None:
+        restore_forward()
+        module.padding_idx = padding
+
+    split.restores.append(restore)

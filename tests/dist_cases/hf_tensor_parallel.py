@@ -1,0 +1,152 @@
+"""``wrap(model, tp_size=T)`` of a Hugging Face Llama, against the same model unwrapped in one process.
+
+Run as ``hf_tensor_parallel.py OUT TP [CHECKPOINT]``: the process group is set up with tensor-parallel
+groups of TP ranks. Every rank builds the unwrapped reference from the same seed and trains it on the
+whole batch; the wrapped model trains on its data-parallel share (``rank // TP`` of ``world // TP``,
+the same for every rank of a tensor-parallel group). fp32 on the CPU, so within rounding. CHECKPOINT,
+a file ``bmt.save`` wrote (with ``.sd.pt``, that run's ``state_dict()``) in another layout, is loaded
+here; each job writes its own for the next. The cases return differences for the test to judge.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from typing import Any, Dict, List
+
+import torch
+import transformers
+from torch import nn
+
+import bmtwrap as bmt
+from bmtwrap.engine.full_state import full_grad_dict
+from bmtwrap.wrap.convert import wrapped_record
+from common import max_abs_diff, max_rel, raised, run
+
+TP = int(sys.argv[2])
+STEPS, BATCH, SEQ, VOCAB = 3, 4, 8, 64
+LR, EPS = 1e-3, 1e-6  # as parity.py: Adam's step amplifies the rounding of tiny gradients less than at eps 1e-8
+
+
+def config(**changes: Any) -> transformers.LlamaConfig:
+    """The tiny Llama: 4 heads, 2 key/value heads (GQA), biases in every projection (so the rowwise bias, added
+    once, is checked), a padding id in the second half of the vocabulary (held by tensor-parallel rank 1)."""
+    values = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, tie_word_embeddings=False, attention_bias=True,
+                  mlp_bias=True, pad_token_id=40, attn_implementation="eager")
+    values.update(changes)
+    return transformers.LlamaConfig(**values)
+
+
+def llama(**changes: Any) -> nn.Module:
+    torch.manual_seed(5)
+    return transformers.LlamaForCausalLM(config(**changes))
+
+
+def batch() -> torch.Tensor:
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(11))
+    ids[:, -2] = 40  # the padding id's row: no gradient in either model
+    return ids
+
+
+def share(ids: torch.Tensor) -> torch.Tensor:
+    """This rank's data-parallel share: the same rows for every rank of a tensor-parallel group."""
+    replicas = bmt.world_size() // TP
+    rows = BATCH // replicas
+    place = bmt.rank() // TP
+    return ids[place * rows : (place + 1) * rows]
+
+
+def diffs(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor]) -> List[str]:
+    """Keys whose shapes differ, or that one side lacks."""
+    return sorted(k for k in set(got) | set(want) if k not in got or k not in want or got[k].shape != want[k].shape)
+
+
+def training() -> Dict[str, Any]:
+    ref, model = llama(), llama()
+    model = bmt.wrap(model, tp_size=TP)
+    ids = batch()
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.01)
+    losses, grads = [], {}
+    for step in range(STEPS):
+        ref_loss = ref(input_ids=ids, labels=ids).loss
+        ref_loss.backward()
+        loss = model(input_ids=share(ids), labels=share(ids)).loss
+        loss.backward()
+        losses.append(max_rel(bmt.sum_loss(loss).item(), ref_loss.item()))
+        if step == 0:
+            got = full_grad_dict(model)
+            want = {k: p.grad for k, p in ref.named_parameters()}
+            grads = {"shapes": diffs(got, want),
+                     "max_abs": max(float((got[k] - want[k]).abs().max()) for k in want if k in got),
+                     "padding_row": float(got["model.embed_tokens.weight"][40].abs().max())}
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+    state, want = model.state_dict(), ref.state_dict()
+    moved = max(float((want[k] - v).abs().max()) for k, v in llama().state_dict().items())
+    return {"losses": losses, "grads": grads, "shapes": diffs(state, want), "moved": moved,
+            "held": held(model), **max_abs_diff(state, want)}
+
+
+def held(model: nn.Module) -> Dict[str, Any]:
+    """The shape each parameter has on this rank before ZeRO sharding, and the dimension it is split along."""
+    record = wrapped_record(model)
+    groups = [runner.group for _, runner in record.runners] + [record.root.group]
+    return {slot.name.split("layers.0.")[-1]: [list(slot.shape), slot.tp_split_dim]
+            for group in groups for buffer in group.buffers for slot in buffer.slots if "layers.1." not in slot.name}
+
+
+def checkpoints() -> Dict[str, Any]:
+    """Load the other layout's file (a bmtwrap checkpoint, and its state_dict() through load_state_dict), then
+    write this layout's, after a training step that moves every value away from the initial ones."""
+    out: Dict[str, Any] = {}
+    if len(sys.argv) > 3:
+        other = torch.load(sys.argv[3] + ".sd.pt", weights_only=True)
+        for how in ("load", "load_state_dict"):
+            model = bmt.wrap(llama(), tp_size=TP)
+            if how == "load":
+                bmt.load(model, sys.argv[3])
+            else:
+                model.load_state_dict(other)
+            state = model.state_dict()
+            out[how] = [diffs(state, other), max(float((state[k] - other[k]).abs().max()) for k in other)]
+        if TP == 1:  # plain transformers, without bmtwrap, loads what the tensor-parallel ranks wrote
+            plain = llama()
+            plain.load_state_dict(torch.load(sys.argv[3], weights_only=True))
+            out["plain"] = max(float((plain.state_dict()[k] - other[k]).abs().max()) for k in other)
+    model = bmt.wrap(llama(), tp_size=TP)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    ids = share(batch())
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    path = os.path.join(tempfile.mkdtemp() if bmt.rank() == 0 else "", "model.pt")
+    written = [path]
+    torch.distributed.broadcast_object_list(written, src=0)
+    bmt.save(model, written[0])
+    state = model.state_dict()
+    if bmt.rank() == 0:
+        torch.save(state, written[0] + ".sd.pt")
+    out["written"] = written[0]
+    return out
+
+
+def errors() -> Dict[str, Any]:
+    if TP == 1:
+        return {}
+    return {
+        "not_dividing_world": raised(lambda: bmt.wrap(llama(), tp_size=3)),
+        "other_than_the_group": raised(lambda: bmt.wrap(llama(), tp_size=bmt.world_size() // TP * 2 if
+                                                        bmt.world_size() > TP else 1)),
+        "heads": raised(lambda: bmt.wrap(llama(num_attention_heads=2, num_key_value_heads=1, head_dim=16),
+                                         tp_size=TP)),
+        "no_plan": raised(lambda: bmt.wrap(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), tp_size=TP)),
+    }
+
+
+if __name__ == "__main__":
+    cases = {"training": training, "checkpoints": checkpoints, "errors": errors}
+    run(cases if TP > 1 else {"checkpoints": checkpoints}, tp_size=TP)

@@ -1,0 +1,76 @@
+"""``wrap(model, tp_size=2)`` of a tiny Hugging Face Llama (GQA), on gloo, against the model unwrapped.
+
+Three jobs of dist_cases/hf_tensor_parallel.py: world 4 (tensor-parallel groups of 2, each parameter
+sharded over 2), a world of one that loads the checkpoint the 4 ranks wrote, and world 2 (tensor
+parallelism alone) that loads the one the world of one wrote. fp32 on the CPU, so within rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import transformers
+
+from launch import case, run_cases
+
+CLOSE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def layouts():
+    tp2_zero2 = (4, run_cases("hf_tensor_parallel.py", 4, "2", timeout=300))
+    world1 = (1, run_cases("hf_tensor_parallel.py", 1, "1", result(tp2_zero2, "checkpoints")["written"], timeout=300))
+    tp2 = (2, run_cases("hf_tensor_parallel.py", 2, "2", result(world1, "checkpoints")["written"], timeout=300))
+    return {"tp2_zero2": tp2_zero2, "world1": world1, "tp2": tp2}
+
+
+def result(results, name):
+    return case(results, name)[1]
+
+
+@pytest.mark.parametrize("layout", ["tp2_zero2", "tp2"])
+def test_training_matches_the_unwrapped_model(layouts, layout):
+    found = result(layouts[layout], "training")
+    assert len(found["losses"]) == 3 and max(found["losses"]) < CLOSE, found["losses"]
+    assert found["grads"]["shapes"] == [] and found["grads"]["max_abs"] < CLOSE
+    assert found["grads"]["padding_row"] == 0.0  # the padding id's row, held by one rank of the group, gets none
+    assert found["shapes"] == [] and found["keys_match"] and found["param_max_abs"] < CLOSE, found
+    assert found["moved"] > 100 * CLOSE  # the parameters did change
+
+
+@pytest.mark.parametrize("layout", ["tp2_zero2", "tp2"])
+def test_each_rank_holds_the_slices_of_the_plan(layouts, layout):
+    held = result(layouts[layout], "training")["held"]
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=64)
+    hidden, head_dim = config.hidden_size, config.hidden_size // config.num_attention_heads
+    ff, tp = config.intermediate_size, 2
+    assert held["self_attn.q_proj.weight"] == [[config.num_attention_heads * head_dim // tp, hidden], 0]
+    assert held["self_attn.k_proj.weight"] == [[config.num_key_value_heads * head_dim // tp, hidden], 0]
+    assert held["self_attn.k_proj.bias"] == [[config.num_key_value_heads * head_dim // tp], 0]
+    assert held["self_attn.o_proj.weight"] == [[hidden, config.num_attention_heads * head_dim // tp], 1]
+    assert held["self_attn.o_proj.bias"] == [[hidden], None]  # rowwise: the bias whole, added once
+    assert held["mlp.down_proj.weight"] == [[hidden, ff // tp], 1]
+    assert held["model.embed_tokens.weight"] == [[config.vocab_size // tp, hidden], 0]
+    assert held["lm_head.weight"] == [[config.vocab_size, hidden], None]  # kept whole
+    assert held["input_layernorm.weight"] == [[hidden], None]
+
+
+def test_checkpoints_load_in_any_layout(layouts):
+    world1, tp2 = result(layouts["world1"], "checkpoints"), result(layouts["tp2"], "checkpoints")
+    for found in (world1, tp2):  # written at tp 2 x zero 2 and read at world 1; written at world 1, read at tp 2
+        assert found["load"] == [[], 0.0] and found["load_state_dict"] == [[], 0.0]
+    assert world1["plain"] == 0.0  # plain transformers loads the file the tensor-parallel ranks wrote
+
+
+@pytest.mark.parametrize("layout", ["tp2_zero2", "tp2"])
+def test_bad_sizes_and_models_name_the_fix(layouts, layout):
+    world = layouts[layout][0]
+    errors = result(layouts[layout], "errors")
+    assert errors["not_dividing_world"][0] == "ValueError"
+    assert f"tp_size must divide the world size {world}" in errors["not_dividing_world"][1]
+    assert errors["other_than_the_group"][0] == "ValueError"
+    assert "call bmtwrap.init_distributed(tp_size=" in errors["other_than_the_group"][1]
+    assert errors["heads"] == ["ValueError", "wrap(tp_size=2): this LlamaForCausalLM has 2 attention heads and 1 "
+                               "key/value heads, which tensor parallelism deals out among the ranks of a group, so "
+                               f"tp_size must divide both; valid tp sizes here (world size {world}): 1"]
+    assert errors["no_plan"][0] == "ValueError" and "this Sequential has none" in errors["no_plan"][1]
