@@ -38,6 +38,12 @@ def test_training_matches_the_unwrapped_model(layouts, layout):
 
 
 @pytest.mark.parametrize("layout", ["tp2_zero2", "tp2"])
+def test_plan_counts_the_slices(layouts, layout):
+    planned, held, unchanged = result(layouts[layout], "training")["plan"]
+    assert planned == held and unchanged  # bmt.plan(model, tp_size=2): this rank's shards of its slices, exactly
+
+
+@pytest.mark.parametrize("layout", ["tp2_zero2", "tp2"])
 def test_each_rank_holds_the_slices_of_the_plan(layouts, layout):
     held = result(layouts[layout], "training")["held"]
     config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,

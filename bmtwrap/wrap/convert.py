@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import warnings
@@ -46,7 +47,7 @@ from .auto import AutoRecompute, auto_recompute
 from .compiled import CompileOption, compile_options, compiled_forward
 from .detect import LayerPolicy
 from .instance_forward import replace_forward
-from .tensor_parallel import check_tp_size, mark_split, split_by_plan
+from .tensor_parallel import Sizes, check_tp_size, mark_split, sliced_shapes, split_by_plan
 from .plan import (PARAMS_SHARE, Checkpoint, OffloadOptions, WrapPlan, make_plan, offload_params_auto,
                    params_and_grads_bytes)
 
@@ -130,7 +131,8 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
          step_in_backward: Union[bool, str] = "auto",
          offload_params: Union[bool, str] = "auto",
          ranks_per_host: Optional[int] = None, max_gpu_memory: Union[int, str, None] = None,
-         keep_logits: bool = False, compile: CompileOption = "auto", shard_size: Optional[int] = None) -> WrapPlan:
+         keep_logits: bool = False, compile: CompileOption = "auto", shard_size: Optional[int] = None,
+         tp_size: Optional[int] = None) -> WrapPlan:
     """What :func:`wrap` would do to ``model``, without doing it (no collectives, no allocation).
 
     The memory estimate is per rank, on the GPU and on the host; its parameter, gradient and
@@ -171,14 +173,18 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
         shard_size: hybrid sharding, as ``init_distributed(shard_size=...)``: parameters, gradients and
             optimizer state sharded over this many ranks (it must divide ``world_size``); default: the
             current context's, or ``world_size``.
+        tp_size: tensor parallelism, as for :func:`wrap`: the parameters the model's plan splits count at one
+            rank's slice, and every parameter is sharded over ``world_size // tp_size`` ranks; default: the
+            current context's (at its world size), or 1.
 
     Returns:
         A :class:`~bmtwrap.wrap.plan.WrapPlan`; ``print(plan)`` shows it as a table.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``; ``layers`` is neither classes nor a callable.
-        ValueError: a bad ``checkpoint``; ``world_size < 1``; a ``shard_size`` that does not divide
-            ``world_size``; a class in ``layers`` that the model does not have.
+        ValueError: a bad ``checkpoint``; ``world_size < 1``; a ``shard_size`` or ``tp_size`` that does not
+            divide ``world_size``; a class in ``layers`` that the model does not have; a ``tp_size`` the model's
+            heads do not divide by, or a model with no tensor-parallel plan.
 
     Example::
 
@@ -193,9 +199,12 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
         world_size = _dist.current().world_size if _dist.is_initialized() else 1
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = _dist.current() if _dist.is_initialized() and _dist.current().world_size == world_size else None
+    tp_size = check_tp_size(tp_size, None) or (ctx.tp_size if ctx is not None else 1)
+    if world_size % tp_size:
+        raise ValueError(f"tp_size={tp_size} must divide world_size={world_size}")
     if shard_size is None:
-        ctx = _dist.current() if _dist.is_initialized() else None
-        shard_size = ctx.shard_size if ctx is not None and ctx.world_size == world_size else world_size
+        shard_size = ctx.shard_size if ctx is not None and ctx.tp_size == tp_size else world_size // tp_size
     if not 1 <= shard_size <= world_size or world_size % shard_size:
         raise ValueError(f"shard_size={shard_size} must divide world_size={world_size}")
     if offload_optimizer not in (True, False, "auto"):
@@ -206,13 +215,14 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
     if ranks_per_host is not None and ranks_per_host < 1:
         raise ValueError(f"ranks_per_host must be >= 1, got {ranks_per_host!r}")
     budget = None if max_gpu_memory is None else parse_bytes(max_gpu_memory)
-    if offload_params == "auto":
-        offload_params = offload_params_auto(model, world_size, budget, shard_size)
-    offload = OffloadOptions(optimizer=offload_optimizer, fraction=offload_fraction, params=offload_params,
-                             in_backward=step_in_backward is not False)
-    return make_plan(model, world_size, layers=layers, checkpoint=checkpoint, batch_size=batch_size,
-                     seq_len=seq_len, offload=offload, ranks_per_host=ranks_per_host, max_gpu_memory=budget,
-                     fused_loss=not keep_logits, compiled=compile is not False, shard_size=shard_size)[0]
+    with sliced_shapes(model, Sizes(tp_size, world_size)) if tp_size > 1 else contextlib.nullcontext():
+        if offload_params == "auto":
+            offload_params = offload_params_auto(model, world_size, budget, shard_size)
+        offload = OffloadOptions(optimizer=offload_optimizer, fraction=offload_fraction, params=offload_params,
+                                 in_backward=step_in_backward is not False)
+        return make_plan(model, world_size, layers=layers, checkpoint=checkpoint, batch_size=batch_size,
+                         seq_len=seq_len, offload=offload, ranks_per_host=ranks_per_host, max_gpu_memory=budget,
+                         fused_loss=not keep_logits, compiled=compile is not False, shard_size=shard_size)[0]
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

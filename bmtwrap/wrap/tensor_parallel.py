@@ -40,9 +40,10 @@ groups, ``rank // T`` of ``world_size // T``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +54,8 @@ from ..engine.group import ParamGroup
 from ..engine.tp import TpLayout, all_reduce_whole, copy_whole
 from .instance_forward import replace_forward
 
-__all__ = ["TensorParallelSplit", "check_tp_size", "mark_split", "split_by_plan"]
+__all__ = ["Sizes", "Split", "TensorParallelSplit", "check_tp_size", "mark_split", "planned_splits", "sliced_shapes",
+           "split_by_plan", "split_dims"]
 
 # Styles of the plan that leave the module whole (see the Note).
 _KEPT_WHOLE = ("colwise_gather_output", "replicate")
@@ -95,14 +97,28 @@ def check_tp_size(tp_size: Optional[int], ctx: Optional[_dist.DistContext]) -> O
     return tp_size
 
 
-def split_by_plan(model: nn.Module, ctx: _dist.DistContext) -> TensorParallelSplit:
-    """Keep this rank's slices of the layers ``model.tp_plan`` names and make their forwards tensor-parallel, in
-    place (see [Note: the Hugging Face tensor-parallel plan]). Before sharding: the parameters' shapes become
-    this rank's slices.
+class Sizes(NamedTuple):
+    """The tensor-parallel size planned for, and the world size it is one of (for the valid sizes errors list)."""
+
+    tp: int
+    world: int
+
+
+class Split(NamedTuple):
+    """One module the plan splits: its name, the module, its style ("colwise", "rowwise", "embedding_rowwise")."""
+
+    name: str
+    module: nn.Module
+    style: str
+
+
+def planned_splits(model: nn.Module, sizes: Sizes) -> List[Split]:
+    """The modules ``model.tp_plan`` splits at ``sizes.tp`` (see [Note: the Hugging Face tensor-parallel plan]),
+    checked; changes nothing.
 
     Raises:
         ValueError: the model has no plan; its attention heads or a split layer's features do not divide by
-            ``ctx.tp_size`` (the message lists the sizes that do).
+            ``sizes.tp`` (the message lists the sizes that do).
         NotImplementedError: a style of the plan other than the Note's, or a module of the wrong kind for its style.
     """
     from transformers.integrations.tensor_parallel import replace_layer_number_by_wildcard
@@ -110,33 +126,79 @@ def split_by_plan(model: nn.Module, ctx: _dist.DistContext) -> TensorParallelSpl
     plan = getattr(model, "tp_plan", None)
     if not plan:
         raise ValueError(
-            f"wrap(tp_size={ctx.tp_size}) splits a model by its Hugging Face tensor-parallel plan (model.tp_plan), "
+            f"wrap(tp_size={sizes.tp}) splits a model by its Hugging Face tensor-parallel plan (model.tp_plan), "
             f"and this {type(model).__name__} has none: give a transformers model whose config has a "
             "base_model_tp_plan, set model.tp_plan = {'module.name': 'colwise' | 'rowwise', ...}, or leave tp_size "
             "out (ZeRO over every rank)")
-    _check_heads(model, plan, ctx)
-    styled = [(name, module, plan[replace_layer_number_by_wildcard(name)]) for name, module in model.named_modules()
-              if replace_layer_number_by_wildcard(name) in plan]
+    _check_heads(model, plan, sizes)
     for name, _ in model.named_parameters():
         style = plan.get(replace_layer_number_by_wildcard(name))
         if style is not None and style not in _KEPT_WHOLE:
-            raise NotImplementedError(f"wrap(tp_size={ctx.tp_size}): the plan splits the parameter '{name}' "
+            raise NotImplementedError(f"wrap(tp_size={sizes.tp}): the plan splits the parameter '{name}' "
                                       f"('{style}'); bmtwrap splits whole linear and embedding modules only")
     uses = _parameter_uses(model)
-    split = TensorParallelSplit()
-    for name, module, style in styled:
-        if style in _KEPT_WHOLE:
+    splits = []
+    for name, module in model.named_modules():
+        style = plan.get(replace_layer_number_by_wildcard(name))
+        if style is None or style in _KEPT_WHOLE:
             continue
         if style in ("colwise", "rowwise"):
-            _split_linear(name, module, style, ctx, split)
+            _check_linear(name, module, style, sizes)
         elif style == "embedding_rowwise":
-            _split_embedding(name, module, ctx, split, tied=uses.get(id(getattr(module, "weight", None)), 0) > 1)
+            if not isinstance(module, nn.Embedding):
+                raise NotImplementedError(f"wrap(tp_size={sizes.tp}): the plan makes '{name}' embedding_rowwise, "
+                                          f"but it is a {type(module).__name__}, not an nn.Embedding")
+            if uses[id(module.weight)] > 1 or module.num_embeddings % sizes.tp:
+                continue  # whole (see the Note): exact, and the head it is tied to is whole too
         else:
             raise NotImplementedError(
-                f"wrap(tp_size={ctx.tp_size}): the plan gives '{name}' the style '{style}', which bmtwrap does not "
+                f"wrap(tp_size={sizes.tp}): the plan gives '{name}' the style '{style}', which bmtwrap does not "
                 "apply (it applies colwise, rowwise, embedding_rowwise; colwise_gather_output and replicate stay "
                 "whole); set model.tp_plan without it, or leave tp_size out")
-    return split
+        splits.append(Split(name, module, style))
+    return splits
+
+
+def split_dims(split: Split) -> List[Tuple[nn.Parameter, int]]:
+    """The parameters ``split`` cuts, with the dimension each is cut along (a rowwise bias stays whole)."""
+    if split.style == "rowwise":
+        return [(split.module.weight, 1)]
+    return [(p, 0) for p in (split.module.weight, getattr(split.module, "bias", None)) if p is not None]
+
+
+def split_by_plan(model: nn.Module, ctx: _dist.DistContext) -> TensorParallelSplit:
+    """Keep this rank's slices of the layers ``model.tp_plan`` names and make their forwards tensor-parallel, in
+    place (see [Note: the Hugging Face tensor-parallel plan]). Before sharding: the parameters' shapes become
+    this rank's slices. Raises as :func:`planned_splits`, before changing anything.
+    """
+    done = TensorParallelSplit()
+    for split in planned_splits(model, Sizes(ctx.tp_size, ctx.world_size)):
+        for param, dim in split_dims(split):
+            _keep_slice(param, dim, ctx, done)
+        if split.style == "embedding_rowwise":
+            _embedding_forward(split.module, ctx, done)
+        else:
+            _linear_forward(split.module, split.style, done)
+    return done
+
+
+@contextlib.contextmanager
+def sliced_shapes(model: nn.Module, sizes: Sizes) -> Iterator[None]:
+    """Inside, each parameter the plan splits is a meta tensor of one rank's slice: what ``plan`` measures."""
+    swapped = []
+    try:
+        for split in planned_splits(model, sizes):
+            for param, dim in split_dims(split):
+                shape = list(param.shape)
+                shape[dim] //= sizes.tp
+                stand_in = nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta"),
+                                        requires_grad=param.requires_grad)
+                torch.utils.swap_tensors(param, stand_in)
+                swapped.append((param, stand_in))
+        yield
+    finally:
+        for param, stand_in in reversed(swapped):
+            torch.utils.swap_tensors(param, stand_in)
 
 
 def mark_split(groups: List[ParamGroup], split: TensorParallelSplit) -> None:
@@ -152,7 +214,7 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def _check_heads(model: nn.Module, plan: Dict[str, str], ctx: _dist.DistContext) -> None:
+def _check_heads(model: nn.Module, plan: Dict[str, str], sizes: Sizes) -> None:
     """The attention heads and key/value heads must divide among the group (GQA's k/v heads too)."""
     if not any(key.rsplit(".", 1)[-1] in _HEAD_PROJECTIONS and style == "colwise" for key, style in plan.items()):
         return
@@ -162,12 +224,24 @@ def _check_heads(model: nn.Module, plan: Dict[str, str], ctx: _dist.DistContext)
     if not isinstance(heads, int):
         return
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    if heads % ctx.tp_size or kv_heads % ctx.tp_size:
-        common = math.gcd(heads, kv_heads, ctx.world_size)
+    if heads % sizes.tp or kv_heads % sizes.tp:
         raise ValueError(
-            f"wrap(tp_size={ctx.tp_size}): this {type(model).__name__} has {heads} attention heads and {kv_heads} "
+            f"wrap(tp_size={sizes.tp}): this {type(model).__name__} has {heads} attention heads and {kv_heads} "
             f"key/value heads, which tensor parallelism deals out among the ranks of a group, so tp_size must divide "
-            f"both; valid tp sizes here (world size {ctx.world_size}): {_divisors(common)}")
+            f"both; valid tp sizes here (world size {sizes.world}): "
+            f"{_divisors(math.gcd(heads, kv_heads, sizes.world))}")
+
+
+def _check_linear(name: str, module: nn.Module, style: str, sizes: Sizes) -> None:
+    if not isinstance(module, nn.Linear):
+        raise NotImplementedError(f"wrap(tp_size={sizes.tp}): the plan makes '{name}' {style}, but it is a "
+                                  f"{type(module).__name__}, not an nn.Linear; bmtwrap splits plain linear layers")
+    features = module.out_features if style == "colwise" else module.in_features
+    if features % sizes.tp:
+        which = "output" if style == "colwise" else "input"
+        raise ValueError(f"wrap(tp_size={sizes.tp}): '{name}' ({style}) has {features} {which} features, which do "
+                         f"not divide among {sizes.tp} ranks; valid tp sizes for it (world size {sizes.world}): "
+                         f"{_divisors(math.gcd(features, sizes.world))}")
 
 
 def _parameter_uses(model: nn.Module) -> Dict[int, int]:
@@ -179,55 +253,31 @@ def _parameter_uses(model: nn.Module) -> Dict[int, int]:
 
 
 @torch.no_grad()
-def _keep_slice(param: Optional[nn.Parameter], dim: int, ctx: _dist.DistContext, split: TensorParallelSplit) -> None:
+def _keep_slice(param: nn.Parameter, dim: int, ctx: _dist.DistContext, done: TensorParallelSplit) -> None:
     """Make ``param`` (the same object) hold only this rank's slice along ``dim``."""
-    if param is None:
-        return
     param.grad = None
     param.data = param.data.chunk(ctx.tp_size, dim=dim)[ctx.tp_rank].clone()
-    split.dims[id(param)] = dim
+    done.dims[id(param)] = dim
 
 
-def _split_linear(name: str, module: nn.Module, style: str, ctx: _dist.DistContext,
-                  split: TensorParallelSplit) -> None:
-    if not isinstance(module, nn.Linear):
-        raise NotImplementedError(f"wrap(tp_size={ctx.tp_size}): the plan makes '{name}' {style}, but it is a "
-                                  f"{type(module).__name__}, not an nn.Linear; bmtwrap splits plain linear layers")
-    features = module.out_features if style == "colwise" else module.in_features
-    if features % ctx.tp_size:
-        which = "output" if style == "colwise" else "input"
-        raise ValueError(f"wrap(tp_size={ctx.tp_size}): '{name}' ({style}) has {features} {which} features, which do "
-                         f"not divide among {ctx.tp_size} ranks; valid tp sizes for it (world size {ctx.world_size}): "
-                         f"{_divisors(math.gcd(features, ctx.world_size))}")
+def _linear_forward(module: nn.Linear, style: str, done: TensorParallelSplit) -> None:
     if style == "colwise":
-        _keep_slice(module.weight, 0, ctx, split)
-        _keep_slice(module.bias, 0, ctx, split)
-
         def colwise(x: torch.Tensor) -> torch.Tensor:  # x (..., I) whole -> (..., O / T), this rank's features
             return F.linear(copy_whole(x), module.weight, module.bias)
 
-        split.restores.append(replace_forward(module, colwise))
+        done.restores.append(replace_forward(module, colwise))
         return
-    _keep_slice(module.weight, 1, ctx, split)
 
     def rowwise(x: torch.Tensor) -> torch.Tensor:  # x (..., I / T), this rank's features -> (..., O) whole
         out = all_reduce_whole(F.linear(x, module.weight))
         return out if module.bias is None else out + module.bias
 
-    split.restores.append(replace_forward(module, rowwise))
+    done.restores.append(replace_forward(module, rowwise))
 
 
-def _split_embedding(name: str, module: nn.Module, ctx: _dist.DistContext, split: TensorParallelSplit,
-                     tied: bool) -> None:
-    if not isinstance(module, nn.Embedding):
-        raise NotImplementedError(f"wrap(tp_size={ctx.tp_size}): the plan makes '{name}' embedding_rowwise, but it "
-                                  f"is a {type(module).__name__}, not an nn.Embedding")
-    vocab = module.num_embeddings
-    if tied or vocab % ctx.tp_size:
-        return  # whole (see the Note): exact, and the head it is tied to is whole too
-    part = vocab // ctx.tp_size
+def _embedding_forward(module: nn.Embedding, ctx: _dist.DistContext, done: TensorParallelSplit) -> None:
+    part = module.num_embeddings // ctx.tp_size
     start, end = ctx.tp_rank * part, (ctx.tp_rank + 1) * part
-    _keep_slice(module.weight, 0, ctx, split)
     padding = module.padding_idx
     module.padding_idx = padding - start if padding is not None and start <= padding < end else None
     original = module.forward
@@ -243,4 +293,4 @@ def _split_embedding(name: str, module: nn.Module, ctx: _dist.DistContext, split
         restore_forward()
         module.padding_idx = padding
 
-    split.restores.append(restore)
+    done.restores.append(restore)

@@ -65,6 +65,8 @@ def diffs(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor]) -> List[s
 
 def training() -> Dict[str, Any]:
     ref, model = llama(), llama()
+    planned = bmt.plan(model, tp_size=TP).memory.params
+    plan_left_it = all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
     model = bmt.wrap(model, tp_size=TP)
     ids = batch()
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS, weight_decay=0.01)
@@ -89,7 +91,14 @@ def training() -> Dict[str, Any]:
     state, want = model.state_dict(), ref.state_dict()
     moved = max(float((want[k] - v).abs().max()) for k, v in llama().state_dict().items())
     return {"losses": losses, "grads": grads, "shapes": diffs(state, want), "moved": moved,
-            "held": held(model), **max_abs_diff(state, want)}
+            "held": held(model), "plan": [planned, shard_bytes(model), plan_left_it], **max_abs_diff(state, want)}
+
+
+def shard_bytes(model: nn.Module) -> int:
+    """What this rank's shards of the model's parameters take."""
+    record = wrapped_record(model)
+    groups = [runner.group for _, runner in record.runners] + [record.root.group]
+    return sum(b.local.numel() * b.local.element_size() for group in groups for b in group.buffers)
 
 
 def held(model: nn.Module) -> Dict[str, Any]:
