@@ -32,9 +32,12 @@ def test_training_matches_the_unwrapped_model(layouts, layout):
     found = result(layouts[layout], "training")
     assert len(found["losses"]) == 3 and max(found["losses"]) < CLOSE, found["losses"]
     assert found["grads"]["shapes"] == [] and found["grads"]["max_abs"] < CLOSE
+    assert found["grads"]["norm"] < CLOSE  # clipping's norm counts each slice once
     assert found["grads"]["padding_row"] == 0.0  # the padding id's row, held by one rank of the group, gets none
     assert found["shapes"] == [] and found["keys_match"] and found["param_max_abs"] < CLOSE, found
     assert found["moved"] > 100 * CLOSE  # the parameters did change
+    ours, plain = found["generated"]
+    assert ours == plain and len(ours[0]) == 3 + 4
 
 
 @pytest.mark.parametrize("layout", ["tp2_zero2", "tp2"])

@@ -21,6 +21,7 @@ from torch import nn
 
 import bmtwrap as bmt
 from bmtwrap.engine.full_state import full_grad_dict
+from bmtwrap.optim.optim_manager import grad_norm
 from bmtwrap.wrap.convert import wrapped_record
 from common import max_abs_diff, max_rel, raised, run
 
@@ -81,17 +82,23 @@ def training() -> Dict[str, Any]:
         if step == 0:
             got = full_grad_dict(model)
             want = {k: p.grad for k, p in ref.named_parameters()}
-            grads = {"shapes": diffs(got, want),
+            norm = grad_norm([p for p in model.parameters() if p.grad is not None]).item()
+            grads = {"norm": max_rel(norm, torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]).item()),
+                     "shapes": diffs(got, want),
                      "max_abs": max(float((got[k] - want[k]).abs().max()) for k in want if k in got),
                      "padding_row": float(got["model.embed_tokens.weight"][40].abs().max())}
         opt_ref.step()
         opt.step()
         opt_ref.zero_grad()
         opt.zero_grad()
+    prompt = ids[:, :3]  # greedy, the same on every rank: generate() keeps the group's collectives in step
+    generated = [m.eval().generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4,
+                                   do_sample=False).tolist() for m in (model, ref)]
     state, want = model.state_dict(), ref.state_dict()
     moved = max(float((want[k] - v).abs().max()) for k, v in llama().state_dict().items())
     return {"losses": losses, "grads": grads, "shapes": diffs(state, want), "moved": moved,
-            "held": held(model), "plan": [planned, shard_bytes(model), plan_left_it], **max_abs_diff(state, want)}
+            "held": held(model), "plan": [planned, shard_bytes(model), plan_left_it],
+            "generated": generated, **max_abs_diff(state, want)}
 
 
 def shard_bytes(model: nn.Module) -> int:
