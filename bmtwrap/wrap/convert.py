@@ -47,7 +47,7 @@ from .auto import AutoRecompute, auto_recompute
 from .compiled import CompileOption, compile_options, compiled_forward
 from .detect import LayerPolicy
 from .instance_forward import replace_forward
-from .tensor_parallel import Sizes, check_tp_size, mark_split, sliced_shapes, split_by_plan
+from .tensor_parallel import Sizes, TensorParallelSplit, check_tp_size, mark_split, sliced_shapes, split_by_plan
 from .plan import (PARAMS_SHARE, Checkpoint, OffloadOptions, WrapPlan, make_plan, offload_params_auto,
                    params_and_grads_bytes)
 
@@ -104,10 +104,21 @@ class Wrapped:
     handles: List[RemovableHandle]  # every hook wrap registered, for dissolve()
     restore_forwards: List[Callable[[], None]]  # each block's forward as it was before wrap
     auto: Optional[AutoRecompute] = None  # checkpoint="auto"'s decision (its report says what it chose)
+    tp_split: Optional[TensorParallelSplit] = None  # what wrap(tp_size > 1) split
 
     def dissolve(self) -> None:
         """Undo the wrapping (a collective): every parameter holds its full value again, on this
-        process's device; the blocks' forwards and every hook are removed."""
+        process's device; the blocks' forwards and every hook are removed.
+
+        Raises:
+            NotImplementedError: the model was split by tensor parallelism (its parameters hold slices).
+        """
+        if self.tp_split is not None:
+            model = self.model()
+            raise NotImplementedError(
+                f"this {type(model).__name__} was wrapped with tp_size={self.options.tp_size}, and its parameters hold "
+                "this rank's slices: it cannot be sharded again as part of another model or Block; wrap the "
+                "outermost model once, with tp_size")
         for handle in self.handles:
             handle.remove()
         for restore in self.restore_forwards:
@@ -506,7 +517,7 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
         auto = auto_recompute(root, [r for _, r in runners], max_gpu_memory, ctx.device)
     eng.install_step_check(_check_optimizer)
     record = Wrapped(weakref.ref(model), options, the_plan, runners, root, adapter, stale, handles, restore_forwards,
-                     auto)
+                     auto, split)
     eng.register_wrapped(model, record)
     return model
 

@@ -159,6 +159,7 @@ def errors() -> Dict[str, Any]:
                                                         bmt.world_size() > TP else 1)),
         "heads": raised(lambda: bmt.wrap(llama(num_attention_heads=2, num_key_value_heads=1, head_dim=16),
                                          tp_size=TP)),
+        "wrapped_inside": raised(lambda: bmt.wrap(nn.Sequential(bmt.wrap(llama(), tp_size=TP)), tp_size=TP)),
         "no_plan": raised(lambda: bmt.wrap(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), tp_size=TP)),
     }
 
