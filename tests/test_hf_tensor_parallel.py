@@ -71,6 +71,13 @@ def test_checkpoints_load_in_any_layout(layouts):
     assert world1["plain"] == 0.0  # plain transformers loads the file the tensor-parallel ranks wrote
 
 
+def test_materialize_initialises_split_parameters_whole(layouts):
+    for layout in ("world1", "tp2"):
+        found = result(layouts[layout], "checkpoints")
+        assert found["padding_row"] == 0.0 and found["halves_differ"]
+    assert result(layouts["tp2"], "checkpoints")["same_as_before"] == [[], 0.0]  # as materialized at world 1
+
+
 @pytest.mark.parametrize("layout", ["tp2_zero2", "tp2"])
 def test_bad_sizes_and_models_name_the_fix(layouts, layout):
     world = layouts[layout][0]

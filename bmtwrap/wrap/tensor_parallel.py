@@ -69,7 +69,7 @@ class TensorParallelSplit:
 
     Attributes:
         dims: ``id(parameter)`` -> the dimension it was split along, for every split parameter.
-        restores: each undoes one change to a module (its forward, its ``padding_idx``).
+        restores: each puts back a module's forward.
     """
 
     dims: Dict[int, int] = field(default_factory=dict)
@@ -278,19 +278,18 @@ def _linear_forward(module: nn.Linear, style: str, done: TensorParallelSplit) ->
 def _embedding_forward(module: nn.Embedding, ctx: _dist.DistContext, done: TensorParallelSplit) -> None:
     part = module.num_embeddings // ctx.tp_size
     start, end = ctx.tp_rank * part, (ctx.tp_rank + 1) * part
-    padding = module.padding_idx
-    module.padding_idx = padding - start if padding is not None and start <= padding < end else None
     original = module.forward
 
     def embedding_rowwise(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         outside = (input < start) | (input >= end)  # ids of the other ranks' rows
-        looked = original(torch.where(outside, torch.zeros_like(input), input - start), *args, **kwargs)
+        # padding_idx stays the whole vocabulary's at rest (an initialiser of the whole weight zeroes that row);
+        # during the lookup it is the row of this rank's slice, or none.
+        padding = module.padding_idx
+        module.padding_idx = padding - start if padding is not None and start <= padding < end else None
+        try:
+            looked = original(torch.where(outside, torch.zeros_like(input), input - start), *args, **kwargs)
+        finally:
+            module.padding_idx = padding
         return all_reduce_whole(looked.masked_fill(outside.unsqueeze(-1), 0))
 
-    restore_forward = replace_forward(module, embedding_rowwise)
-
-    def restore() -> None:
-        restore_forward()
-        module.padding_idx = padding
-
-    done.restores.append(restore)
+    done.restores.append(replace_forward(module, embedding_rowwise))

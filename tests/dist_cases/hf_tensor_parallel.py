@@ -134,6 +134,7 @@ def checkpoints() -> Dict[str, Any]:
             plain = llama()
             plain.load_state_dict(torch.load(sys.argv[3], weights_only=True))
             out["plain"] = max(float((plain.state_dict()[k] - other[k]).abs().max()) for k in other)
+    out.update(materialized())
     model = bmt.wrap(llama(), tp_size=TP)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     ids = share(batch())
@@ -146,8 +147,25 @@ def checkpoints() -> Dict[str, Any]:
     state = model.state_dict()
     if bmt.rank() == 0:
         torch.save(state, written[0] + ".sd.pt")
+        torch.save(out.pop("made"), written[0] + ".made.pt")
     out["written"] = written[0]
     return out
+
+
+def materialized() -> Dict[str, Any]:
+    """A Llama built on the meta device, wrapped, then given values by bmt.materialize: the same values in every
+    layout (against the file of the job before), and split parameters whose slices differ."""
+    torch.manual_seed(7)
+    with torch.device("meta"):
+        meta = transformers.LlamaForCausalLM(config())
+    made = bmt.materialize(bmt.wrap(meta, tp_size=TP)).state_dict()
+    q = made["model.layers.0.self_attn.q_proj.weight"]
+    found = {"made": made, "padding_row": float(made["model.embed_tokens.weight"][40].abs().max()),
+             "halves_differ": not torch.allclose(q[: len(q) // 2], q[len(q) // 2 :])}
+    if len(sys.argv) > 3:
+        other = torch.load(sys.argv[3] + ".made.pt", weights_only=True)
+        found["same_as_before"] = [diffs(made, other), max(float((made[k] - other[k]).abs().max()) for k in other)]
+    return found
 
 
 def errors() -> Dict[str, Any]:
