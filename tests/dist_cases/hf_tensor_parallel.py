@@ -122,10 +122,12 @@ def checkpoints() -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     if len(sys.argv) > 3:
         other = torch.load(sys.argv[3] + ".sd.pt", weights_only=True)
-        for how in ("load", "load_state_dict"):
+        for how in ("load", "load_state_dict", "load_pretrained"):
             model = bmt.wrap(llama(), tp_size=TP)
             if how == "load":
                 bmt.load(model, sys.argv[3])
+            elif how == "load_pretrained":  # the Hugging Face folder the other layout wrote
+                bmt.load_pretrained(model, sys.argv[3] + ".hf")
             else:
                 model.load_state_dict(other)
             state = model.state_dict()
@@ -134,6 +136,9 @@ def checkpoints() -> Dict[str, Any]:
             plain = llama()
             plain.load_state_dict(torch.load(sys.argv[3], weights_only=True))
             out["plain"] = max(float((plain.state_dict()[k] - other[k]).abs().max()) for k in other)
+            folder = transformers.LlamaForCausalLM.from_pretrained(sys.argv[3] + ".hf").state_dict()
+            out["plain_pretrained"] = [diffs(folder, other), max(float((folder[k] - other[k]).abs().max())
+                                                                 for k in other)]
     out.update(materialized())
     model = bmt.wrap(llama(), tp_size=TP)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
@@ -144,6 +149,7 @@ def checkpoints() -> Dict[str, Any]:
     written = [path]
     torch.distributed.broadcast_object_list(written, src=0)
     bmt.save(model, written[0])
+    bmt.save_pretrained(model, written[0] + ".hf")
     state = model.state_dict()
     if bmt.rank() == 0:
         torch.save(state, written[0] + ".sd.pt")
