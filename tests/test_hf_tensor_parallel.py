@@ -69,6 +69,7 @@ def test_checkpoints_load_in_any_layout(layouts):
     for found in (world1, tp2):  # written at tp 2 x zero 2 and read at world 1; written at world 1, read at tp 2
         assert found["load"] == [[], 0.0] and found["load_state_dict"] == [[], 0.0]
         assert found["load_pretrained"] == [[], 0.0]  # a Hugging Face folder (bmt.save_pretrained)
+        assert found["from_pretrained"] == [[], 0.0]
     assert world1["plain"] == 0.0  # plain transformers loads the file the tensor-parallel ranks wrote
     assert world1["plain_pretrained"] == [[], 0.0]  # and their Hugging Face folder
 

@@ -122,9 +122,11 @@ def checkpoints() -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     if len(sys.argv) > 3:
         other = torch.load(sys.argv[3] + ".sd.pt", weights_only=True)
-        for how in ("load", "load_state_dict", "load_pretrained"):
-            model = bmt.wrap(llama(), tp_size=TP)
-            if how == "load":
+        for how in ("load", "load_state_dict", "load_pretrained", "from_pretrained"):
+            model = bmt.wrap(llama(), tp_size=TP) if how != "from_pretrained" else None
+            if how == "from_pretrained":  # built on the meta device, split, then streamed in
+                model = bmt.from_pretrained(sys.argv[3] + ".hf", tp_size=TP)
+            elif how == "load":
                 bmt.load(model, sys.argv[3])
             elif how == "load_pretrained":  # the Hugging Face folder the other layout wrote
                 bmt.load_pretrained(model, sys.argv[3] + ".hf")
