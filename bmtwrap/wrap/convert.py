@@ -27,7 +27,7 @@ import functools
 import sys
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -231,9 +231,10 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
             offload_params = offload_params_auto(model, world_size, budget, shard_size)
         offload = OffloadOptions(optimizer=offload_optimizer, fraction=offload_fraction, params=offload_params,
                                  in_backward=step_in_backward is not False)
-        return make_plan(model, world_size, layers=layers, checkpoint=checkpoint, batch_size=batch_size,
-                         seq_len=seq_len, offload=offload, ranks_per_host=ranks_per_host, max_gpu_memory=budget,
-                         fused_loss=not keep_logits, compiled=compile is not False, shard_size=shard_size)[0]
+        planned = make_plan(model, world_size, layers=layers, checkpoint=checkpoint, batch_size=batch_size,
+                            seq_len=seq_len, offload=offload, ranks_per_host=ranks_per_host, max_gpu_memory=budget,
+                            fused_loss=not keep_logits, compiled=compile is not False, shard_size=shard_size)[0]
+    return replace(planned, tp_size=tp_size)
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -474,6 +475,7 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
     the_plan, blocks, shared_ids = make_plan(model, ctx.world_size, layers=layers, checkpoint=checkpoint,
                                              offload=OffloadOptions(params=params_offloaded),
                                              fused_loss=not keep_logits, shard_size=ctx.shard_size)
+    the_plan = replace(the_plan, tp_size=tp_size)
     adapter = adapter_for(model)
     adapter.prepare(model)
 
