@@ -93,6 +93,8 @@ def test_bad_sizes_and_models_name_the_fix(layouts, layout):
                                "key/value heads, which tensor parallelism deals out among the ranks of a group, so "
                                f"tp_size must divide both; valid tp sizes here (world size {world}): 1"]
     assert errors["no_plan"][0] == "ValueError" and "this Sequential has none" in errors["no_plan"][1]
+    assert errors["plan_names_nothing"][0] == "ValueError"
+    assert "names a module of this Module, so nothing would be split" in errors["plan_names_nothing"][1]
     assert errors["wrapped_inside"] == ["NotImplementedError", "this LlamaForCausalLM was wrapped with tp_size=2, and "
                                         "its parameters hold this rank's slices: it cannot be sharded again as part of "
                                         "another model or Block; wrap the outermost model once, with tp_size"]

@@ -117,8 +117,8 @@ def planned_splits(model: nn.Module, sizes: Sizes) -> List[Split]:
     checked; changes nothing.
 
     Raises:
-        ValueError: the model has no plan; its attention heads or a split layer's features do not divide by
-            ``sizes.tp`` (the message lists the sizes that do).
+        ValueError: the model has no plan, or one that names none of its modules; its attention heads or a split
+            layer's features do not divide by ``sizes.tp`` (the message lists the sizes that do).
         NotImplementedError: a style of the plan other than the Note's, or a module of the wrong kind for its style.
     """
     from transformers.integrations.tensor_parallel import replace_layer_number_by_wildcard
@@ -156,6 +156,13 @@ def planned_splits(model: nn.Module, sizes: Sizes) -> List[Split]:
                 "apply (it applies colwise, rowwise, embedding_rowwise; colwise_gather_output and replicate stay "
                 "whole); set model.tp_plan without it, or leave tp_size out")
         splits.append(Split(name, module, style))
+    if not splits and any(style not in _KEPT_WHOLE for style in plan.values()):
+        rules = ", ".join(sorted(key for key, style in plan.items() if style not in _KEPT_WHOLE)[:3])
+        raise ValueError(
+            f"wrap(tp_size={sizes.tp}): no rule of model.tp_plan ({rules}, ...) names a module of this "
+            f"{type(model).__name__}, so nothing would be split and every rank of a group would compute the whole "
+            "model: a wrapper (peft's PeftModel, for one) renames the modules; wrap the transformers model itself, "
+            "or leave tp_size out")
     return splits
 
 

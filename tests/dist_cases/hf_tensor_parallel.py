@@ -176,6 +176,14 @@ def materialized() -> Dict[str, Any]:
     return found
 
 
+def renamed() -> nn.Module:
+    """The Llama inside a wrapper, as peft's PeftModel holds it: the plan's names no longer match its modules."""
+    wrapper = nn.Module()
+    wrapper.inner = llama()
+    wrapper.tp_plan = wrapper.inner.tp_plan
+    return wrapper
+
+
 def errors() -> Dict[str, Any]:
     if TP == 1:
         return {}
@@ -186,6 +194,7 @@ def errors() -> Dict[str, Any]:
         "heads": raised(lambda: bmt.wrap(llama(num_attention_heads=2, num_key_value_heads=1, head_dim=16),
                                          tp_size=TP)),
         "wrapped_inside": raised(lambda: bmt.wrap(nn.Sequential(bmt.wrap(llama(), tp_size=TP)), tp_size=TP)),
+        "plan_names_nothing": raised(lambda: bmt.wrap(renamed(), tp_size=TP)),
         "no_plan": raised(lambda: bmt.wrap(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), tp_size=TP)),
     }
 
