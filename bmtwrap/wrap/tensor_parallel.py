@@ -123,7 +123,8 @@ def planned_splits(model: nn.Module, sizes: Sizes) -> List[Split]:
     """
     from transformers.integrations.tensor_parallel import replace_layer_number_by_wildcard
 
-    plan = getattr(model, "tp_plan", None)
+    # The merged plan: transformers 5.23's tp_plan property; releases before it keep the same dict in _tp_plan.
+    plan = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None)
     if not plan:
         raise ValueError(
             f"wrap(tp_size={sizes.tp}) splits a model by its Hugging Face tensor-parallel plan (model.tp_plan), "
