@@ -27,13 +27,14 @@ def result(results, name):
     return case(results, name)[1]
 
 
-@pytest.mark.parametrize("layout", ["tp2_zero2", "tp2"])
-def test_training_matches_the_unwrapped_model(layouts, layout):
-    found = result(layouts[layout], "training")
+@pytest.mark.parametrize("layout,model", [("tp2_zero2", "training"), ("tp2", "training"), ("tp2_zero2", "qwen3")])
+def test_training_matches_the_unwrapped_model(layouts, layout, model):
+    found = result(layouts[layout], model)
     assert len(found["losses"]) == 3 and max(found["losses"]) < CLOSE, found["losses"]
     assert found["grads"]["shapes"] == [] and found["grads"]["max_abs"] < CLOSE
     assert found["grads"]["norm"] < CLOSE  # clipping's norm counts each slice once
-    assert found["grads"]["padding_row"] == 0.0  # the padding id's row, held by one rank of the group, gets none
+    if model == "training":  # the Llama: the padding id's row, held by one rank of the group, gets no gradient
+        assert found["grads"]["padding_row"] == 0.0
     assert found["shapes"] == [] and found["keys_match"] and found["param_max_abs"] < CLOSE, found
     assert found["moved"] > 100 * CLOSE  # the parameters did change
     ours, plain = found["generated"]
@@ -62,6 +63,14 @@ def test_each_rank_holds_the_slices_of_the_plan(layouts, layout):
     assert held["model.embed_tokens.weight"] == [[config.vocab_size // tp, hidden], 0]
     assert held["lm_head.weight"] == [[config.vocab_size, hidden], None]  # kept whole
     assert held["input_layernorm.weight"] == [[hidden], None]
+
+
+def test_qwen3_keeps_its_per_head_norms_and_tied_embedding_whole(layouts):
+    held = result(layouts["tp2_zero2"], "qwen3")["held"]
+    assert held["self_attn.q_norm.weight"] == [[8], None]  # head_dim: whole, its gradient summed over the group
+    assert held["self_attn.q_proj.weight"] == [[4 * 8 // 2, 32], 0]
+    assert held["model.embed_tokens.weight"] == [[64, 32], None]  # tied to the whole LM head: kept whole
+    assert "lm_head.weight" not in held  # the tied head is the embedding's parameter
 
 
 def test_checkpoints_load_in_any_layout(layouts):

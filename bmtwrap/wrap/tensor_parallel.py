@@ -17,14 +17,21 @@ consecutive ranks, rank ``r`` of the group applies each style as follows:
     embedding_rowwise      nn.Embedding: keeps rows ``r*V/T .. (r+1)*V/T`` of the vocabulary; ids outside
                            them look up zeros and the group's lookups are summed. Kept whole when the
                            vocabulary does not divide by ``T`` or the weight is tied to another module.
-    colwise_gather_output  (the LM head) kept whole: its logits are whole on every rank with no gather,
-    replicate              and bmtwrap's loss without the logits reads its weight whole. ZeRO still
-                           shards it over the data-parallel ranks.
+    replicated_with_grad_allreduce
+                           a module whose whole parameters act on this rank's heads only (Qwen3's per-head
+                           ``q_norm``, ``k_norm``): its parameters pass through ``tp.copy_whole`` in its
+                           forward, so each rank's partial gradient is summed over the group.
+    colwise_gather_output, colwise_rep, rowwise_rep, rowwise_split_input, replicate
+                           kept whole: whole input, whole output, exact. For the LM head
+                           (``colwise_gather_output``) that also keeps the logits whole on every rank with
+                           no gather, and lets bmtwrap's loss without the logits read its weight whole.
+                           ZeRO still shards them over the data-parallel ranks.
 
-Any other style raises ``NotImplementedError`` naming it. Activations between layers are therefore
-whole on every rank of the group: norms, rowwise biases and the head get their true gradient on
-every rank, and each split weight its slice's true one, so nothing is summed over the group
-(``TpLayout.WHOLE``; BMTrain's layout sums, see [Note: tensor parallelism] in ``engine/tp.py``).
+Any other style (packed or expert weights, sequence parallelism) raises ``NotImplementedError``
+naming it. Activations between layers are therefore whole on every rank of the group: norms,
+rowwise biases and the head get their true gradient on every rank, and each split weight its
+slice's true one, so no buffer is summed over the group (``TpLayout.WHOLE``; BMTrain's layout sums,
+see [Note: tensor parallelism] in ``engine/tp.py``).
 The split parameters are recorded on their slots (``ParamSlot.tp_split_dim``): ``state_dict()``
 and bmtwrap's checkpoints join them whole, and ``load_state_dict`` of whole tensors cuts them.
 
@@ -58,7 +65,9 @@ __all__ = ["Sizes", "Split", "TensorParallelSplit", "check_tp_size", "mark_split
            "split_by_plan", "split_dims"]
 
 # Styles of the plan that leave the module whole (see the Note).
-_KEPT_WHOLE = ("colwise_gather_output", "replicate")
+_KEPT_WHOLE = ("colwise_gather_output", "colwise_rep", "rowwise_rep", "rowwise_split_input", "replicate")
+# A module whose whole parameters see this rank's heads only: their gradients are summed over the group.
+_GRAD_SUMMED = "replicated_with_grad_allreduce"
 # The projections whose output features are attention heads (transformers' get_kv_heads_per_rank names them).
 _HEAD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value")
 
@@ -134,7 +143,7 @@ def planned_splits(model: nn.Module, sizes: Sizes) -> List[Split]:
     _check_heads(model, plan, sizes)
     for name, _ in model.named_parameters():
         style = plan.get(replace_layer_number_by_wildcard(name))
-        if style is not None and style not in _KEPT_WHOLE:
+        if style is not None and style not in _KEPT_WHOLE + (_GRAD_SUMMED,):
             raise NotImplementedError(f"wrap(tp_size={sizes.tp}): the plan splits the parameter '{name}' "
                                       f"('{style}'); bmtwrap splits whole linear and embedding modules only")
     uses = _parameter_uses(model)
@@ -145,6 +154,8 @@ def planned_splits(model: nn.Module, sizes: Sizes) -> List[Split]:
             continue
         if style in ("colwise", "rowwise"):
             _check_linear(name, module, style, sizes)
+        elif style == _GRAD_SUMMED:
+            pass
         elif style == "embedding_rowwise":
             if not isinstance(module, nn.Embedding):
                 raise NotImplementedError(f"wrap(tp_size={sizes.tp}): the plan makes '{name}' embedding_rowwise, "
@@ -154,7 +165,7 @@ def planned_splits(model: nn.Module, sizes: Sizes) -> List[Split]:
         else:
             raise NotImplementedError(
                 f"wrap(tp_size={sizes.tp}): the plan gives '{name}' the style '{style}', which bmtwrap does not "
-                "apply (it applies colwise, rowwise, embedding_rowwise; colwise_gather_output and replicate stay "
+                f"apply (it applies colwise, rowwise, embedding_rowwise, {_GRAD_SUMMED}; {', '.join(_KEPT_WHOLE)} stay "
                 "whole); set model.tp_plan without it, or leave tp_size out")
         splits.append(Split(name, module, style))
     if not splits and any(style not in _KEPT_WHOLE for style in plan.values()):
@@ -169,6 +180,8 @@ def planned_splits(model: nn.Module, sizes: Sizes) -> List[Split]:
 
 def split_dims(split: Split) -> List[Tuple[nn.Parameter, int]]:
     """The parameters ``split`` cuts, with the dimension each is cut along (a rowwise bias stays whole)."""
+    if split.style == _GRAD_SUMMED:
+        return []
     if split.style == "rowwise":
         return [(split.module.weight, 1)]
     return [(p, 0) for p in (split.module.weight, getattr(split.module, "bias", None)) if p is not None]
@@ -185,6 +198,8 @@ def split_by_plan(model: nn.Module, ctx: _dist.DistContext) -> TensorParallelSpl
             _keep_slice(param, dim, ctx, done)
         if split.style == "embedding_rowwise":
             _embedding_forward(split.module, ctx, done)
+        elif split.style == _GRAD_SUMMED:
+            _grad_summed_forward(split.module, done)
         else:
             _linear_forward(split.module, split.style, done)
     return done
@@ -281,6 +296,22 @@ def _linear_forward(module: nn.Linear, style: str, done: TensorParallelSplit) ->
         return out if module.bias is None else out + module.bias
 
     done.restores.append(replace_forward(module, rowwise))
+
+
+def _grad_summed_forward(module: nn.Module, done: TensorParallelSplit) -> None:
+    original = module.forward
+
+    def grad_summed(*args: Any, **kwargs: Any) -> Any:
+        held = dict(module._parameters)  # inside a block: the engine's gathered views
+        for name, value in held.items():
+            if value is not None and value.requires_grad:
+                module._parameters[name] = copy_whole(value)  # identity; the gradient summed over the group
+        try:
+            return original(*args, **kwargs)
+        finally:
+            module._parameters.update(held)
+
+    done.restores.append(replace_forward(module, grad_summed))
 
 
 def _embedding_forward(module: nn.Embedding, ctx: _dist.DistContext, done: TensorParallelSplit) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import torch
 import transformers
@@ -64,8 +64,17 @@ def diffs(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor]) -> List[s
     return sorted(k for k in set(got) | set(want) if k not in got or k not in want or got[k].shape != want[k].shape)
 
 
-def training() -> Dict[str, Any]:
-    ref, model = llama(), llama()
+def qwen3() -> nn.Module:
+    """A tiny Qwen3: per-head q_norm and k_norm (replicated_with_grad_allreduce in its plan), and the embedding tied
+    to the LM head (kept whole)."""
+    torch.manual_seed(5)
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, vocab_size=VOCAB, tie_word_embeddings=True, pad_token_id=40, attn_implementation="eager"))
+
+
+def training(make: Callable[[], nn.Module] = llama) -> Dict[str, Any]:
+    ref, model = make(), make()
     planned = bmt.plan(model, tp_size=TP).memory.params
     plan_left_it = all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
     model = bmt.wrap(model, tp_size=TP)
@@ -86,7 +95,7 @@ def training() -> Dict[str, Any]:
             grads = {"norm": max_rel(norm, torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]).item()),
                      "shapes": diffs(got, want),
                      "max_abs": max(float((got[k] - want[k]).abs().max()) for k in want if k in got),
-                     "padding_row": float(got["model.embed_tokens.weight"][40].abs().max())}
+                     "padding_row": float(got["model.embed_tokens.weight"][40].abs().max())}  # untied only
         opt_ref.step()
         opt.step()
         opt_ref.zero_grad()
@@ -95,7 +104,7 @@ def training() -> Dict[str, Any]:
     generated = [m.eval().generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4,
                                    do_sample=False).tolist() for m in (model, ref)]
     state, want = model.state_dict(), ref.state_dict()
-    moved = max(float((want[k] - v).abs().max()) for k, v in llama().state_dict().items())
+    moved = max(float((want[k] - v).abs().max()) for k, v in make().state_dict().items())
     return {"losses": losses, "grads": grads, "shapes": diffs(state, want), "moved": moved,
             "held": held(model), "plan": [planned, shard_bytes(model), plan_left_it],
             "generated": generated, **max_abs_diff(state, want)}
@@ -200,5 +209,5 @@ def errors() -> Dict[str, Any]:
 
 
 if __name__ == "__main__":
-    cases = {"training": training, "checkpoints": checkpoints, "errors": errors}
+    cases = {"training": training, "checkpoints": checkpoints, "errors": errors, "qwen3": lambda: training(qwen3)}
     run(cases if TP > 1 else {"checkpoints": checkpoints}, tp_size=TP)
