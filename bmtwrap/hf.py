@@ -527,7 +527,8 @@ class Trainer(ShardedTrainerMixin):
             ``deepspeed``, ``fsdp``/``fsdp_config`` (or an ``accelerate launch`` config with either),
             ``fp16`` (use ``bf16``), ``fp16_full_eval``/``bf16_full_eval``, ``torch_compile``,
             ``auto_find_batch_size``, ``use_liger_kernel``, ``even_batches=False``,
-            ``parallelism_config``, ``model_init``, more than one GPU per process (DataParallel),
+            ``parallelism_config``, tensor parallelism (``wrap_options={"tp_size": N}`` or
+            ``init_distributed(tp_size=N)``), ``model_init``, more than one GPU per process (DataParallel),
             models loaded with a multi-device ``device_map``, quantized or already distributed by
             transformers.
         ValueError: ``args.optim`` outside the AdamW family without ``optimizers=`` or
