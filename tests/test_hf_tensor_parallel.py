@@ -65,6 +65,11 @@ def test_each_rank_holds_the_slices_of_the_plan(layouts, layout):
     assert held["input_layernorm.weight"] == [[hidden], None]
 
 
+def test_colwise_layers_share_one_all_reduce_of_their_input_gradient(layouts):
+    found = result(layouts["tp2_zero2"], "input_copies")
+    assert found["copies"] == 2 * found["layers"]  # q, k, v share one; gate and up another (not 5 a layer)
+
+
 def test_qwen3_keeps_its_per_head_norms_and_tied_embedding_whole(layouts):
     held = result(layouts["tp2_zero2"], "qwen3")["held"]
     assert held["self_attn.q_norm.weight"] == [[8], None]  # head_dim: whole, its gradient summed over the group

@@ -9,8 +9,9 @@ consecutive ranks, rank ``r`` of the group applies each style as follows:
 
     colwise                nn.Linear: keeps rows ``r*O/T .. (r+1)*O/T`` of the weight (its output features:
                            its attention heads, its slice of the MLP) and of the bias. The input is whole
-                           (``tp.copy_whole``: its gradient is summed over the group); the output is this
-                           rank's columns, which the attention reshapes into its heads (``-1`` heads).
+                           (``tp.copy_whole``: its gradient is summed over the group, once for the layers
+                           that share it); the output is this rank's columns, which the attention reshapes
+                           into its heads (``-1`` heads).
     rowwise                nn.Linear: keeps the matching columns of the weight; the bias stays whole.
                            Output ``all_reduce(x_r W_r^T) + b`` (``tp.all_reduce_whole``): whole, the bias
                            added once.
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
@@ -193,6 +195,7 @@ def split_by_plan(model: nn.Module, ctx: _dist.DistContext) -> TensorParallelSpl
     this rank's slices. Raises as :func:`planned_splits`, before changing anything.
     """
     done = TensorParallelSplit()
+    whole_inputs = _WholeInputs()
     for split in planned_splits(model, Sizes(ctx.tp_size, ctx.world_size)):
         for param, dim in split_dims(split):
             _keep_slice(param, dim, ctx, done)
@@ -201,7 +204,7 @@ def split_by_plan(model: nn.Module, ctx: _dist.DistContext) -> TensorParallelSpl
         elif split.style == _GRAD_SUMMED:
             _grad_summed_forward(split.module, done)
         else:
-            _linear_forward(split.module, split.style, done)
+            _linear_forward(split.module, split.style, whole_inputs, done)
     return done
 
 
@@ -283,10 +286,32 @@ def _keep_slice(param: nn.Parameter, dim: int, ctx: _dist.DistContext, done: Ten
     done.dims[id(param)] = dim
 
 
-def _linear_forward(module: nn.Linear, style: str, done: TensorParallelSplit) -> None:
+class _WholeInputs:
+    """The colwise layers that read one whole input (an attention's q, k and v; an MLP's gate and up) share one
+    ``copy_whole`` of it: backward then sums their partial input gradients over the group with one all-reduce,
+    not one each (Megatron's ``f`` before the attention and the MLP). The last input is remembered by a weak
+    reference and its version (an in-place change makes it another input); the copy it holds keeps that one
+    activation alive until the next colwise call."""
+
+    def __init__(self) -> None:
+        self._last: Optional[Tuple["weakref.ref[torch.Tensor]", int, torch.Tensor]] = None
+
+    def copy(self, x: torch.Tensor) -> torch.Tensor:
+        if not (torch.is_grad_enabled() and x.requires_grad):
+            self._last = None
+            return x  # no gradient flows back: copy_whole would be the identity
+        last = self._last
+        if last is not None and last[0]() is x and last[1] == x._version:
+            return last[2]
+        copied = copy_whole(x)
+        self._last = (weakref.ref(x), x._version, copied)
+        return copied
+
+
+def _linear_forward(module: nn.Linear, style: str, whole_inputs: _WholeInputs, done: TensorParallelSplit) -> None:
     if style == "colwise":
         def colwise(x: torch.Tensor) -> torch.Tensor:  # x (..., I) whole -> (..., O / T), this rank's features
-            return F.linear(copy_whole(x), module.weight, module.bias)
+            return F.linear(whole_inputs.copy(x), module.weight, module.bias)
 
         done.restores.append(replace_forward(module, colwise))
         return

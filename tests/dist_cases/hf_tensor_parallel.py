@@ -185,6 +185,24 @@ def materialized() -> Dict[str, Any]:
     return found
 
 
+def input_copies() -> Dict[str, Any]:
+    """How many times backward all-reduces a colwise input's gradient over the group: the copy_whole nodes of the
+    graph (blocks not checkpointed, so that the whole graph is there to count)."""
+    model = bmt.wrap(llama(), tp_size=TP, checkpoint=False)
+    ids = share(batch())
+    loss = model(input_ids=ids, labels=ids).loss
+    seen, todo, copies = set(), [loss.grad_fn], 0
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        copies += "CopyWhole" in type(node).__name__
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    loss.backward()
+    return {"copies": copies, "layers": model.config.num_hidden_layers}
+
+
 def renamed() -> nn.Module:
     """The Llama inside a wrapper, as peft's PeftModel holds it: the plan's names no longer match its modules."""
     wrapper = nn.Module()
@@ -209,5 +227,6 @@ def errors() -> Dict[str, Any]:
 
 
 if __name__ == "__main__":
-    cases = {"training": training, "checkpoints": checkpoints, "errors": errors, "qwen3": lambda: training(qwen3)}
+    cases = {"training": training, "checkpoints": checkpoints, "errors": errors, "qwen3": lambda: training(qwen3),
+             "input_copies": input_copies}
     run(cases if TP > 1 else {"checkpoints": checkpoints}, tp_size=TP)
