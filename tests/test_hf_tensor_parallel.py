@@ -8,7 +8,6 @@ parallelism alone) that loads the one the world of one wrote. fp32 on the CPU, s
 from __future__ import annotations
 
 import pytest
-import transformers
 
 from launch import case, run_cases
 
@@ -49,19 +48,17 @@ def test_plan_counts_the_slices(layouts, layout):
 
 @pytest.mark.parametrize("layout", ["tp2_zero2", "tp2"])
 def test_each_rank_holds_the_slices_of_the_plan(layouts, layout):
-    held = result(layouts[layout], "training")["held"]
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=64)
-    hidden, head_dim = config.hidden_size, config.hidden_size // config.num_attention_heads
-    ff, tp = config.intermediate_size, 2
-    assert held["self_attn.q_proj.weight"] == [[config.num_attention_heads * head_dim // tp, hidden], 0]
-    assert held["self_attn.k_proj.weight"] == [[config.num_key_value_heads * head_dim // tp, hidden], 0]
-    assert held["self_attn.k_proj.bias"] == [[config.num_key_value_heads * head_dim // tp], 0]
-    assert held["self_attn.o_proj.weight"] == [[hidden, config.num_attention_heads * head_dim // tp], 1]
+    found = result(layouts[layout], "training")
+    held, config, tp = found["held"], found["config"], 2
+    hidden, head_dim, ff = config["hidden_size"], config["head_dim"], config["intermediate_size"]
+    assert held["self_attn.q_proj.weight"] == [[config["num_attention_heads"] * head_dim // tp, hidden], 0]
+    assert held["self_attn.k_proj.weight"] == [[config["num_key_value_heads"] * head_dim // tp, hidden], 0]
+    assert held["self_attn.k_proj.bias"] == [[config["num_key_value_heads"] * head_dim // tp], 0]
+    assert held["self_attn.o_proj.weight"] == [[hidden, config["num_attention_heads"] * head_dim // tp], 1]
     assert held["self_attn.o_proj.bias"] == [[hidden], None]  # rowwise: the bias whole, added once
     assert held["mlp.down_proj.weight"] == [[hidden, ff // tp], 1]
-    assert held["model.embed_tokens.weight"] == [[config.vocab_size // tp, hidden], 0]
-    assert held["lm_head.weight"] == [[config.vocab_size, hidden], None]  # kept whole
+    assert held["model.embed_tokens.weight"] == [[config["vocab_size"] // tp, hidden], 0]
+    assert held["lm_head.weight"] == [[config["vocab_size"], hidden], None]  # kept whole
     assert held["input_layernorm.weight"] == [[hidden], None]
 
 

@@ -107,6 +107,8 @@ def training(make: Callable[[], nn.Module] = llama) -> Dict[str, Any]:
     moved = max(float((want[k] - v).abs().max()) for k, v in make().state_dict().items())
     return {"losses": losses, "grads": grads, "shapes": diffs(state, want), "moved": moved,
             "held": held(model), "plan": [planned, shard_bytes(model), plan_left_it],
+            "config": {k: getattr(model.config, k) for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                              "num_key_value_heads", "head_dim", "vocab_size")},
             "generated": generated, **max_abs_diff(state, want)}
 
 
