@@ -1,8 +1,10 @@
 """``wrap(model, tp_size=2)`` of a tiny Hugging Face Llama (GQA), on gloo, against the model unwrapped.
 
 Three jobs of dist_cases/hf_tensor_parallel.py: world 4 (tensor-parallel groups of 2, each parameter
-sharded over 2), a world of one that loads the checkpoint the 4 ranks wrote, and world 2 (tensor
-parallelism alone) that loads the one the world of one wrote. fp32 on the CPU, so within rounding.
+sharded over 2; there wrap sets up the process group itself), a world of one that loads the checkpoints
+the 4 ranks wrote, and world 2 (tensor parallelism alone) that loads the ones the world of one wrote.
+A Llama with biases and GQA, and a Qwen3 (per-head norms, tied embedding). fp32 on the CPU, so within
+rounding.
 """
 
 from __future__ import annotations
@@ -60,6 +62,13 @@ def test_each_rank_holds_the_slices_of_the_plan(layouts, layout):
     assert held["model.embed_tokens.weight"] == [[config["vocab_size"] // tp, hidden], 0]
     assert held["lm_head.weight"] == [[config["vocab_size"], hidden], None]  # kept whole
     assert held["input_layernorm.weight"] == [[hidden], None]
+
+
+def test_wrap_sets_up_the_tensor_parallel_groups(layouts):
+    found = result(layouts["tp2_zero2"], "set_up_by_wrap")  # rank 0 of 4, wrap(tp_size=2) before init_distributed
+    assert (found["tp_size"], found["shard_size"]) == (2, 2)
+    assert found["tp_group"] == [0, 1] and found["shard_group"] == [0, 2]  # consecutive ranks; the same place
+    assert found["loss"] < CLOSE
 
 
 def test_colwise_layers_share_one_all_reduce_of_their_input_gradient(layouts):

@@ -20,6 +20,7 @@ import transformers
 from torch import nn
 
 import bmtwrap as bmt
+from bmtwrap.engine.dist import current
 from bmtwrap.engine.full_state import full_grad_dict
 from bmtwrap.optim.optim_manager import grad_norm
 from bmtwrap.wrap.convert import wrapped_record
@@ -228,7 +229,22 @@ def errors() -> Dict[str, Any]:
     }
 
 
+def set_up_by_wrap(model: nn.Module) -> Dict[str, Any]:
+    """The process group wrap(tp_size=TP) started (no init_distributed before it), and the model it wrapped then
+    against the unwrapped one."""
+    ctx = current()
+    ref, ids = llama(), share(batch())
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return {"tp_size": ctx.tp_size, "shard_size": ctx.shard_size,
+            "tp_group": torch.distributed.get_process_group_ranks(ctx.tp_group), "shard_group": list(ctx.shard_peers),
+            "loss": max_rel(loss.item(), ref(input_ids=ids, labels=ids).loss.item())}
+
+
 if __name__ == "__main__":
     cases = {"training": training, "checkpoints": checkpoints, "errors": errors, "qwen3": lambda: training(qwen3),
              "input_copies": input_copies}
+    if TP > 1 and int(os.environ["WORLD_SIZE"]) > TP:  # wrap sets up the process group and its groups itself
+        first = bmt.wrap(llama(), tp_size=TP)
+        cases["set_up_by_wrap"] = lambda: set_up_by_wrap(first)
     run(cases if TP > 1 else {"checkpoints": checkpoints}, tp_size=TP)
