@@ -165,6 +165,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--shard-size", type=int, default=None,
                       help="hybrid sharding: ranks each parameter is sharded over, as init_distributed(shard_size=N); "
                            "it must divide --world-size (default: the world size)")
+    plan.add_argument("--tp-size", type=int, default=1,
+                      help="tensor parallelism, as wrap(tp_size=N): the layers the model's plan splits count at one "
+                           "rank's slice, and parameters are sharded over --world-size / N ranks (default 1)")
     plan.add_argument("--ranks-per-host", type=int, default=None,
                       help="ranks sharing one host's memory, for the per-host figure (default: world size, at most 8)")
     plan.add_argument("--batch-size", type=int, help="sequences per rank, for the activation estimate")
@@ -211,6 +214,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.shard_size is not None and not (1 <= args.shard_size <= args.world_size
                                             and args.world_size % args.shard_size == 0):
         raise SystemExit(f"--shard-size {args.shard_size} must divide --world-size {args.world_size}")
+    if args.tp_size < 1 or args.world_size % args.tp_size:
+        raise SystemExit(f"--tp-size {args.tp_size} must divide --world-size {args.world_size}")
     if (args.batch_size is None) != (args.seq_len is None):
         raise SystemExit("give --batch-size and --seq-len together (the activation estimate needs both)")
     optimizer = "offload" if args.offload else args.optimizer
@@ -233,13 +238,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     model, chosen = _build_on_meta(config, _dtype(args.dtype, config), args.model_class)
     print(chosen)
     checkpoint = {"true": True, "false": False, "auto": "auto"}["false" if args.no_checkpoint else args.checkpoint]
-    print(make_plan(model, world_size=args.world_size, checkpoint=checkpoint, batch_size=args.batch_size,
-                    seq_len=args.seq_len, offload_optimizer={"auto": "auto", "adam": False, "offload": True}[optimizer],
-                    offload_fraction=fraction,
-                    step_in_backward={"true": True, "false": False}.get(args.step_in_backward, "auto"),
-                    offload_params={"true": True, "false": False}.get(args.offload_params, "auto"),
-                    ranks_per_host=args.ranks_per_host, max_gpu_memory=budget, compile=not args.no_compile,
-                    shard_size=args.shard_size or args.world_size))
+    try:
+        planned = make_plan(model, world_size=args.world_size, checkpoint=checkpoint, batch_size=args.batch_size,
+                            seq_len=args.seq_len,
+                            offload_optimizer={"auto": "auto", "adam": False, "offload": True}[optimizer],
+                            offload_fraction=fraction,
+                            step_in_backward={"true": True, "false": False}.get(args.step_in_backward, "auto"),
+                            offload_params={"true": True, "false": False}.get(args.offload_params, "auto"),
+                            ranks_per_host=args.ranks_per_host, max_gpu_memory=budget, compile=not args.no_compile,
+                            shard_size=args.shard_size or args.world_size // args.tp_size, tp_size=args.tp_size)
+    except (ValueError, NotImplementedError) as error:
+        if args.tp_size == 1:
+            raise
+        raise SystemExit(f"--tp-size {args.tp_size}: {error}") from None
+    print(planned)
     return 0
 
 

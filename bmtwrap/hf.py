@@ -94,6 +94,11 @@ def _wrap_options(args: TrainingArguments, wrap_options: Optional[Dict[str, Any]
     if not known.issuperset(options):
         raise TypeError(f"wrap_options has {sorted(set(options) - known)}, which bmtwrap.wrap does not take; it takes "
                         f"{sorted(known)}")
+    if options.get("tp_size") not in (None, 1):
+        raise NotImplementedError(
+            f"wrap_options={{'tp_size': {options['tp_size']!r}}}: tensor parallelism needs the same batch on every rank "
+            "of a tensor-parallel group, and Trainer (through accelerate) gives every rank its own; train a model "
+            "wrapped with bmtwrap.wrap(model, tp_size=...) in a loop of your own instead")
     if not _uses_checkpointing(args):
         return options
     if options.get("checkpoint", True) is False:
@@ -122,6 +127,11 @@ def _join(args: TrainingArguments) -> None:
     device = args.device  # accelerate's PartialState: adopts the default group
     ctx = _dist.current()
     _warn_if_timeout_unused(args, ctx)
+    if ctx.tp_size > 1:  # see _wrap_options
+        raise NotImplementedError(
+            f"init_distributed(tp_size={ctx.tp_size}): tensor parallelism needs the same batch on every rank of a "
+            "tensor-parallel group, and Trainer (through accelerate) gives every rank its own; train a model wrapped "
+            "with bmtwrap.wrap(model, tp_size=...) in a loop of your own instead")
     if args.world_size != ctx.world_size:
         raise ValueError(f"TrainingArguments see {args.world_size} process(es) but the process group has "
                          f"{ctx.world_size} ranks: accelerate did not join the job. On a machine without GPUs pass "
@@ -517,7 +527,8 @@ class Trainer(ShardedTrainerMixin):
             ``deepspeed``, ``fsdp``/``fsdp_config`` (or an ``accelerate launch`` config with either),
             ``fp16`` (use ``bf16``), ``fp16_full_eval``/``bf16_full_eval``, ``torch_compile``,
             ``auto_find_batch_size``, ``use_liger_kernel``, ``even_batches=False``,
-            ``parallelism_config``, ``model_init``, more than one GPU per process (DataParallel),
+            ``parallelism_config``, tensor parallelism (``wrap_options={"tp_size": N}`` or
+            ``init_distributed(tp_size=N)``), ``model_init``, more than one GPU per process (DataParallel),
             models loaded with a multi-device ``device_map``, quantized or already distributed by
             transformers.
         ValueError: ``args.optim`` outside the AdamW family without ``optimizers=`` or

@@ -69,8 +69,9 @@ _LIMITS = (
            "every forward of a sharded model is a collective, so every rank must run the same number of "
            "batches; leave even_batches=True"),
     _Limit("parallelism_config", lambda a: getattr(a, "parallelism_config", None) is not None,
-           "bmtwrap shards a Hugging Face model's parameters over all ranks (ZeRO) and has no tensor, "
-           "context or sequence parallelism for it; remove parallelism_config"),
+           "bmtwrap shards a Hugging Face model's parameters over all ranks (ZeRO); its tensor parallelism "
+           "(bmtwrap.wrap(model, tp_size=...)) needs the same batch on every rank of a group, which Trainer does not "
+           "give, and it has no context or sequence parallelism; remove parallelism_config"),
 )
 
 

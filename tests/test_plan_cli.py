@@ -156,3 +156,25 @@ def test_no_compile_plans_eager_blocks(folders, capsys):
         return float(re.search(r"activations\s+([\d.]+) GiB", line).group(1))
 
     assert activations("--no-compile") > activations() > 0
+
+
+def test_tp_size_counts_one_ranks_slices(folders, tmp_path, capsys):
+    """--tp-size 2 (wrap(tp_size=2)): a block holds the norms whole and half of every projection; heads that do
+    not divide are refused with the sizes that do."""
+    config = json.loads((folders["llama"] / "config.json").read_text())
+    config["num_key_value_heads"] = 2  # the test Llama's one key/value head divides among no group
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    def block_params(*options: str) -> int:
+        assert main(["plan", str(tmp_path / "config.json"), "--world-size", "4", *options]) == 0
+        out = capsys.readouterr().out
+        return int(re.search(r"model\.layers\.0\s+\w+\s+([\d,]+)", out).group(1).replace(",", ""))
+
+    hidden = config["hidden_size"]
+    norms = 2 * hidden
+    assert (block_params() - norms) // 2 + norms == block_params("--tp-size", "2")
+    with pytest.raises(SystemExit, match="--tp-size 2: wrap\\(tp_size=2\\): this LlamaForCausalLM has 2 attention "
+                                         "heads and 1 key/value heads.*valid tp sizes here \\(world size 4\\): 1"):
+        main(["plan", str(folders["llama"]), "--world-size", "4", "--tp-size", "2"])
+    with pytest.raises(SystemExit, match="--tp-size 3 must divide --world-size 4"):
+        main(["plan", str(folders["llama"]), "--world-size", "4", "--tp-size", "3"])

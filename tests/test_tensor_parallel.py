@@ -69,6 +69,6 @@ def test_bad_sizes_name_the_fix(layouts):
     assert errors["tp_split_dim"][0] == "ValueError" and "tp_split_dim=1 is not a dimension" in errors["tp_split_dim"][1]
     assert errors["vocab"] == ["ValueError", "VPEmbedding: vocab_size=17 does not divide among tp_size=2 ranks; "
                                              "give a multiple of 2"]
-    assert errors["wrap"][0] == "NotImplementedError" and "wrap() under init_distributed(tp_size=2)" in errors["wrap"][1]
+    assert errors["wrap"][0] == "ValueError" and "splits a model by its Hugging Face tensor-parallel plan" in errors["wrap"][1]
     assert errors["sharded"][0] == "NotImplementedError" and "tp_size=2) are not supported: save the model with " \
         "bmt.save" in errors["sharded"][1]

@@ -449,6 +449,14 @@ def test_a_gpu_budget_reaches_wrap(tmp_path):
     assert wrapped_record(trainer.model).options.max_gpu_memory == 24 * 2**30
 
 
+def test_tensor_parallelism_is_refused(tmp_path):
+    from bmtwrap.hf import Trainer
+
+    with pytest.raises(NotImplementedError, match=r"wrap_options=\{'tp_size': 2\}: tensor parallelism needs the same "
+                                                  "batch on every rank of a tensor-parallel group"):
+        Trainer(model=_tiny_model(), args=_args(tmp_path), wrap_options={"tp_size": 2})
+
+
 def test_wrap_options_are_wraps_arguments(tmp_path):
     from bmtwrap.hf import Trainer
 

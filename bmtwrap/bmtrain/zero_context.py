@@ -26,7 +26,8 @@ class ZeroContext:
     Args:
         block: the block whose parameters to gather.
         ctx_dict: BMTrain's store for ZeRO-2 reuse between calls; must be ``None``.
-        pipe: BMTrain's pipeline flag; must be ``False`` (bmtwrap has no pipeline stages).
+        pipe: BMTrain's flag for its own pipeline internals; must be ``False`` (bmtwrap's pipeline gathers a
+            stage's blocks by itself).
 
     Raises:
         TypeError: ``block`` is not a :class:`~bmtwrap.Block`.

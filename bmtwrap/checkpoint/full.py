@@ -313,7 +313,7 @@ def _copy_into(model_state: Mapping[str, torch.Tensor], source: _Source, reads: 
         if buffer is not None:
             slot = buffer.slots[[id(s.param) for s in buffer.slots].index(id(target))]
             if tp_full_shape(slot) != slot.shape:
-                piece = tp_cut(target, source.read(key)).reshape(-1)[slot.piece.param_start : slot.piece.param_end]
+                piece = tp_cut(slot, source.read(key)).reshape(-1)[slot.piece.param_start : slot.piece.param_end]
                 target.copy_(piece.to(device=target.device, dtype=target.dtype))
             elif end > start:
                 target.copy_(source.read_range(key, start, end).to(device=target.device, dtype=target.dtype))

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..engine import dist as _dist
+from ..engine.full_state import tp_cut
 from ..wrap import materialize, wrap
 from ..wrap.materialize import restore_buffers
 from .hf_export import save_pretrained
@@ -280,7 +281,7 @@ def _write(entry: _Entry, value: torch.Tensor, is_piece: bool) -> None:
     target = entry.value
     if entry.slot is not None and not is_piece:
         piece = entry.slot.piece
-        value = value.reshape(-1)[piece.param_start : piece.param_end]
+        value = tp_cut(entry.slot, value).reshape(-1)[piece.param_start : piece.param_end]
     target.copy_(value.reshape(target.shape).to(device=target.device, dtype=target.dtype))
 
 
@@ -293,7 +294,9 @@ def _stream(hf: nn.Module, entries: Dict[str, _Entry], checkpoint: _Checkpoint, 
         try:
             if group.converter is None:  # a plain (maybe renamed) tensor: read only this rank's rows
                 entry, source = entries[group.key], group.sources[0][1]
-                span = (entry.slot.piece.param_start, entry.slot.piece.param_end) if entry.slot else None
+                # A parameter split by tensor parallelism is read whole and cut to this rank's slice in _write.
+                whole = entry.slot is None or entry.slot.tp_split_dim is not None
+                span = None if whole else (entry.slot.piece.param_start, entry.slot.piece.param_end)
                 outputs = {} if group.key in plan.tied_copies else {
                     group.key: (files.read(source, checkpoint.tensors[source], span), span is not None)}
             else:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..engine import dist as _dist
+from ..engine.full_state import tp_join
 from ..engine.group import FlatBuffer
 from .hf_keys import (
     INDEX_NAME,
@@ -126,7 +127,9 @@ def _collect(step: _Step, entries: Dict[str, _Entry], keep: bool) -> Dict[str, t
     if buffer is None:
         return {k: entries[k].value.detach().to("cpu", copy=True) for k in step.keys} if keep else {}
     with buffer.gathered() as flat:
-        return {k: entries[k].slot.view_in(flat).to("cpu", copy=True) for k in step.keys} if keep else {}
+        # Every rank joins the slices of a parameter split by tensor parallelism (a collective of its group).
+        whole = {k: tp_join(entries[k].slot, entries[k].slot.view_in(flat)) for k in step.keys}
+        return {k: value.to("cpu", copy=True) for k, value in whole.items()} if keep else {}
 
 
 class _ShardWriter:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..engine import dist as _dist
+from ..engine.full_state import tp_full_shape
 from ..engine.group import FlatBuffer, ParamSlot
 from ..engine.schedule import engine
 
@@ -111,7 +112,7 @@ def _entries(model: nn.Module) -> Dict[str, _Entry]:
     for key, value in model.state_dict(keep_vars=True).items():
         if registry is not None and isinstance(value, nn.Parameter) and registry.is_sharded(value):
             buffer, slot = registry.slot_of(engine().ctx, value)
-            out[key] = _Entry(value, slot.shape, buffer, slot)
+            out[key] = _Entry(value, tp_full_shape(slot), buffer, slot)
         else:
             out[key] = _Entry(value, value.shape, None, None)
     return out

@@ -33,7 +33,6 @@ from torch import nn
 
 from .collectives import all_gather
 from .group import FlatBuffer, ParamSlot
-from .param import DistributedParameter
 from .tp import gather_along
 from .schedule import engine
 
@@ -44,30 +43,27 @@ __all__ = ["full_grad_dict", "full_state_dict", "gather_full_tensors", "register
 NamedParams = Callable[[nn.Module, str], Iterable[Tuple[str, nn.Parameter]]]
 
 
-def _split_dim(param: nn.Parameter) -> Optional[int]:
-    return param.tp_split_dim if isinstance(param, DistributedParameter) else None
-
-
 def tp_full_shape(slot: ParamSlot) -> torch.Size:
     """The shape of ``slot``'s parameter whole: joined over the tensor-parallel group where it is split."""
-    param = slot.param
-    return param.tp_full_shape(engine().ctx.tp_size) if _split_dim(param) is not None else slot.shape
+    if slot.tp_split_dim is None:
+        return slot.shape
+    shape = list(slot.shape)
+    shape[slot.tp_split_dim] *= engine().ctx.tp_size
+    return torch.Size(shape)
 
 
 def tp_join(slot: ParamSlot, value: torch.Tensor) -> torch.Tensor:
     """``value`` (``slot``'s parameter at the shape this rank holds) joined over the tensor-parallel group where the
     parameter is split (a collective of the group; see [Note: tensor parallelism] in ``tp.py``), else itself."""
-    dim = _split_dim(slot.param)
-    return value if dim is None else gather_along(value, dim)
+    return value if slot.tp_split_dim is None else gather_along(value, slot.tp_split_dim)
 
 
-def tp_cut(param: nn.Parameter, value: torch.Tensor) -> torch.Tensor:
+def tp_cut(slot: ParamSlot, value: torch.Tensor) -> torch.Tensor:
     """This rank's slice of the whole ``value`` of a parameter split by tensor parallelism (else ``value``)."""
-    dim = _split_dim(param)
-    if dim is None or tuple(value.shape) != tuple(param.tp_full_shape(engine().ctx.tp_size)):
+    if slot.tp_split_dim is None or tuple(value.shape) != tuple(tp_full_shape(slot)):
         return value
     ctx = engine().ctx
-    return value.chunk(ctx.tp_size, dim=dim)[ctx.tp_rank]
+    return value.chunk(ctx.tp_size, dim=slot.tp_split_dim)[ctx.tp_rank]
 
 
 def _named_parameters(module: nn.Module, prefix: str) -> Iterable[Tuple[str, nn.Parameter]]:
@@ -87,7 +83,7 @@ def shard_full_tensors(module: nn.Module, state_dict: Dict[str, Any], prefix: st
         if key not in state_dict or not eng.registry.is_sharded(param):
             continue
         buffer, slot = eng.registry.slot_of(eng.ctx, param)
-        value = tp_cut(param, state_dict[key])
+        value = tp_cut(slot, state_dict[key])
         if tuple(value.shape) == tuple(slot.shape):
             state_dict[key] = value.reshape(-1)[slot.piece.param_start : slot.piece.param_end]
             buffer.initialized = True

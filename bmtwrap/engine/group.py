@@ -44,6 +44,7 @@ from .collectives import Pending, all_gather, reduce_scatter_mean, tp_sum
 from .dist import DistContext
 from .offload import OffloadPolicy, host_empty
 from .param import DistributedParameter, FlatLayout, LocalPiece
+from .tp import TpLayout
 
 __all__ = ["FlatBuffer", "ParamGroup", "ParamRegistry", "ParamSlot", "PendingReduction", "ShardState"]
 
@@ -70,6 +71,8 @@ class ParamSlot:
     offset: int  # start in the full buffer
     piece: LocalPiece  # the part this rank owns
     owners: Tuple[Owner, ...]  # every (module, attribute) it is registered under
+    # The dimension tensor parallelism splits the parameter along (``shape`` is this rank's slice); None: whole.
+    tp_split_dim: Optional[int] = None
 
     @property
     def numel(self) -> int:
@@ -137,6 +140,9 @@ class FlatBuffer:
         self.group: Optional["ParamGroup"] = None  # the group that gathers it (set by ParamGroup)
         # A layer of one pipeline stage: no other stage holds it (see [Note: pipeline layout] in stages.py).
         self.one_stage = False
+        # How activations lie between its parameters' layers under tensor parallelism, which decides whether
+        # gradients are summed over the tensor-parallel group before the reduce-scatter (see tp.TpLayout).
+        self.tp_layout = TpLayout.ROWS
 
     @property
     def dtype(self) -> torch.dtype:
@@ -292,7 +298,7 @@ class FlatBuffer:
                 target.copy_(grad.reshape(-1))
         for start, end in self._gaps:
             full_grad[start:end].zero_()
-        if self.ctx.tp_size > 1:
+        if self.ctx.tp_size > 1 and self.tp_layout is TpLayout.ROWS:
             tp_sum(self.ctx, full_grad, [(s.offset, s.offset + s.numel) for s in self.slots
                                          if isinstance(s.param, DistributedParameter) and s.param.tp_mode])
         shard = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=self.ctx.device)
@@ -426,7 +432,7 @@ class ParamRegistry:
         if not isinstance(param, DistributedParameter) or param._standalone is None:
             raise ValueError("this parameter is not sharded by bmtwrap")
         layout, local = param._standalone
-        slot = ParamSlot(param, "", param._original_shape, 0, layout.piece(0, ctx.shard_rank), ())
+        slot = ParamSlot(param, "", param._original_shape, 0, layout.piece(0, ctx.shard_rank), (), param.tp_split_dim)
         buffer = FlatBuffer(ctx, layout, local, [slot], param.requires_grad, label=ROOT_LABEL)
         param._lone_buffer = buffer  # the registry holds it weakly
         self.add(buffer)

@@ -124,7 +124,8 @@ def build_group(ctx: DistContext, registry: ParamRegistry, module: nn.Module, na
                 param._standalone = None  # its lone shard is superseded by this buffer
                 param._lone_buffer = None
             regs = tuple(owner for _, owner in owners[id(param)])
-            slots.append(ParamSlot(param, qualified, torch.Size(shape), layout.offsets[index], piece, regs))
+            split = param.tp_split_dim if isinstance(param, DistributedParameter) else None
+            slots.append(ParamSlot(param, qualified, torch.Size(shape), layout.offsets[index], piece, regs, split))
         buffer = FlatBuffer(ctx, layout, local, slots, requires_grad, reduce_dtype if requires_grad else None,
                             label=name, offload=offload)
         buffer.initialized = not on_meta

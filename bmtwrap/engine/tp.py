@@ -27,10 +27,20 @@ sums the gradients of parameters not in ``tp_mode`` over the tensor-parallel gro
 reduce-scatter (``collectives.tp_sum``), and shards every parameter over the ranks with the same
 tensor-parallel place (the ``shard`` group, BMTrain's ``tp_zero_comm``): the group's ranks hold
 different slices, so none replicates another.
+
+Hugging Face's layout (``wrap(model, tp_size=T)``, from the model's ``tp_plan``; see
+``bmtwrap/wrap/tensor_parallel.py``) keeps every activation between layers whole: a colwise linear
+takes the whole input (:func:`copy_whole`) and gives this rank's columns (its attention heads, its
+slice of the MLP), a rowwise one takes those columns and all-reduces its output
+(:func:`all_reduce_whole`). Norms, biases of rowwise layers and the LM head are used on whole
+tensors, so every rank of the group already holds their true gradient, and the split weights'
+gradients are their slices' true ones: nothing is summed over the group. A buffer says which
+layout its parameters follow (:class:`TpLayout`); only ``ROWS`` sums.
 """
 
 from __future__ import annotations
 
+import enum
 from typing import Optional, Tuple
 
 import torch
@@ -38,8 +48,15 @@ import torch.distributed as dist
 
 from . import dist as _dist
 
-__all__ = ["all_reduce_whole", "copy_whole", "gather_along", "gather_columns", "gather_rows", "gather_rows_split_columns",
+__all__ = ["TpLayout", "all_reduce_whole", "copy_whole", "gather_along", "gather_columns", "gather_rows", "gather_rows_split_columns",
            "parallel_cross_entropy", "reduce_scatter_rows"]
+
+
+class TpLayout(enum.Enum):
+    """How activations lie between the layers of a flat buffer's parameters (see [Note: tensor parallelism])."""
+
+    ROWS = "rows"  # BMTrain's: on rows; gradients of parameters not in tp_mode are summed over the group
+    WHOLE = "whole"  # Hugging Face's: whole on every rank; every rank's gradient is already the true one
 
 
 def _size() -> int:

@@ -327,8 +327,9 @@ def grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.T
     def one_stage(p: torch.Tensor) -> bool:  # a pipeline stage's layer: the other stages hold other layers
         return eng.registry.buffer_of(ctx, p)[0].one_stage
 
-    split = [p for p in sharded if getattr(p, "tp_split_dim", None) is not None]
-    whole = [p for p in sharded if getattr(p, "tp_split_dim", None) is None]
+    split_ids = {id(p) for p in sharded if eng.registry.slot_of(ctx, p)[1].tp_split_dim is not None}
+    split = [p for p in sharded if id(p) in split_ids]
+    whole = [p for p in sharded if id(p) not in split_ids]
     local = power_sum([p for p in whole if not one_stage(p)])
     if ctx.shard_size > 1:  # over one shard group: the replicas' pieces are the same ones again
         dist.all_reduce(local, op=dist.ReduceOp.SUM, group=ctx.shard_group)

@@ -22,12 +22,12 @@
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import functools
 import sys
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -48,6 +48,7 @@ from .compiled import CompileOption, compile_options, compiled_forward
 from .detect import LayerPolicy
 from .fp8 import FP8Option, check_device, convert_blocks, describe, float8_choice
 from .instance_forward import replace_forward
+from .tensor_parallel import Sizes, TensorParallelSplit, check_tp_size, mark_split, sliced_shapes, split_by_plan
 from .plan import (PARAMS_SHARE, Checkpoint, OffloadOptions, WrapPlan, make_plan, offload_params_auto,
                    params_and_grads_bytes)
 
@@ -65,6 +66,7 @@ class WrapOptions:
     max_gpu_memory: Optional[int]
     offload_params: Union[bool, str]  # as given; the plan's offload options hold what "auto" chose
     keep_logits: bool
+    tp_size: int
     compile: Any  # as given: True, False, "auto", or torch.compile's options as sorted (name, value) pairs
     fp8: Any = None  # the float8 recipe's name, a torchao config, or None when off
 
@@ -104,10 +106,21 @@ class Wrapped:
     handles: List[RemovableHandle]  # every hook wrap registered, for dissolve()
     restore_forwards: List[Callable[[], None]]  # each block's forward as it was before wrap
     auto: Optional[AutoRecompute] = None  # checkpoint="auto"'s decision (its report says what it chose)
+    tp_split: Optional[TensorParallelSplit] = None  # what wrap(tp_size > 1) split
 
     def dissolve(self) -> None:
         """Undo the wrapping (a collective): every parameter holds its full value again, on this
-        process's device; the blocks' forwards and every hook are removed."""
+        process's device; the blocks' forwards and every hook are removed.
+
+        Raises:
+            NotImplementedError: the model was split by tensor parallelism (its parameters hold slices).
+        """
+        if self.tp_split is not None:
+            model = self.model()
+            raise NotImplementedError(
+                f"this {type(model).__name__} was wrapped with tp_size={self.options.tp_size}, and its parameters hold "
+                "this rank's slices: it cannot be sharded again as part of another model or Block; wrap the "
+                "outermost model once, with tp_size")
         for handle in self.handles:
             handle.remove()
         for restore in self.restore_forwards:
@@ -132,7 +145,7 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
          offload_params: Union[bool, str] = "auto",
          ranks_per_host: Optional[int] = None, max_gpu_memory: Union[int, str, None] = None,
          keep_logits: bool = False, compile: CompileOption = "auto", shard_size: Optional[int] = None,
-         fp8: FP8Option = False) -> WrapPlan:
+         tp_size: Optional[int] = None, fp8: FP8Option = False) -> WrapPlan:
     """What :func:`wrap` would do to ``model``, without doing it (no collectives, no allocation).
 
     The memory estimate is per rank, on the GPU and on the host; its parameter, gradient and
@@ -173,6 +186,9 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
         shard_size: hybrid sharding, as ``init_distributed(shard_size=...)``: parameters, gradients and
             optimizer state sharded over this many ranks (it must divide ``world_size``); default: the
             current context's, or ``world_size``.
+        tp_size: tensor parallelism, as for :func:`wrap`: the parameters the model's plan splits count at one
+            rank's slice, and every parameter is sharded over ``world_size // tp_size`` ranks; default: the
+            current context's (at its world size), or 1.
         fp8: as for :func:`wrap`; the plan names the recipe and how many of the blocks' linear layers it
             converts (the memory estimate is the same: float8 casts are transient, and the saved activations
             and the master weights keep the model's dtype).
@@ -182,8 +198,9 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``; ``layers`` is neither classes nor a callable.
-        ValueError: a bad ``checkpoint``; ``world_size < 1``; a ``shard_size`` that does not divide
-            ``world_size``; a class in ``layers`` that the model does not have.
+        ValueError: a bad ``checkpoint``; ``world_size < 1``; a ``shard_size`` or ``tp_size`` that does not
+            divide ``world_size``; a class in ``layers`` that the model does not have; a ``tp_size`` the model's
+            heads do not divide by, or a model with no tensor-parallel plan.
 
     Example::
 
@@ -198,9 +215,12 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
         world_size = _dist.current().world_size if _dist.is_initialized() else 1
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = _dist.current() if _dist.is_initialized() and _dist.current().world_size == world_size else None
+    tp_size = check_tp_size(tp_size, None) or (ctx.tp_size if ctx is not None else 1)
+    if world_size % tp_size:
+        raise ValueError(f"tp_size={tp_size} must divide world_size={world_size}")
     if shard_size is None:
-        ctx = _dist.current() if _dist.is_initialized() else None
-        shard_size = ctx.shard_size if ctx is not None and ctx.world_size == world_size else world_size
+        shard_size = ctx.shard_size if ctx is not None and ctx.tp_size == tp_size else world_size // tp_size
     if not 1 <= shard_size <= world_size or world_size % shard_size:
         raise ValueError(f"shard_size={shard_size} must divide world_size={world_size}")
     if offload_optimizer not in (True, False, "auto"):
@@ -211,16 +231,17 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
     if ranks_per_host is not None and ranks_per_host < 1:
         raise ValueError(f"ranks_per_host must be >= 1, got {ranks_per_host!r}")
     budget = None if max_gpu_memory is None else parse_bytes(max_gpu_memory)
-    if offload_params == "auto":
-        offload_params = offload_params_auto(model, world_size, budget, shard_size)
-    offload = OffloadOptions(optimizer=offload_optimizer, fraction=offload_fraction, params=offload_params,
-                             in_backward=step_in_backward is not False)
-    choice = float8_choice(fp8)
-    the_plan, blocks, _ = make_plan(model, world_size, layers=layers, checkpoint=checkpoint, batch_size=batch_size,
-                                    seq_len=seq_len, offload=offload, ranks_per_host=ranks_per_host,
-                                    max_gpu_memory=budget, fused_loss=not keep_logits, compiled=compile is not False,
-                                    shard_size=shard_size)
-    return the_plan if choice is None else dataclasses.replace(the_plan, fp8=describe(choice, blocks))
+    with sliced_shapes(model, Sizes(tp_size, world_size)) if tp_size > 1 else contextlib.nullcontext():
+        if offload_params == "auto":
+            offload_params = offload_params_auto(model, world_size, budget, shard_size)
+        offload = OffloadOptions(optimizer=offload_optimizer, fraction=offload_fraction, params=offload_params,
+                                 in_backward=step_in_backward is not False)
+        choice = float8_choice(fp8)
+        planned, blocks, _ = make_plan(model, world_size, layers=layers, checkpoint=checkpoint, batch_size=batch_size,
+                                       seq_len=seq_len, offload=offload, ranks_per_host=ranks_per_host,
+                                       max_gpu_memory=budget, fused_loss=not keep_logits,
+                                       compiled=compile is not False, shard_size=shard_size)
+        return replace(planned, tp_size=tp_size, fp8=describe(choice, blocks))
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -340,7 +361,8 @@ def _already_wrapped(model: nn.Module, options: WrapOptions) -> Optional[nn.Modu
 def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: Checkpoint = "auto",
          zero_level: Optional[int] = None, reduce_dtype: Optional[torch.dtype] = None,
          max_gpu_memory: Union[int, str, None] = None, offload_params: Union[bool, str] = "auto",
-         keep_logits: bool = False, compile: CompileOption = "auto", fp8: FP8Option = False) -> nn.Module:
+         keep_logits: bool = False, compile: CompileOption = "auto", tp_size: Optional[int] = None,
+         fp8: FP8Option = False) -> nn.Module:
     """Shard ``model`` over all ranks, in place, and return it.
 
     The repeated layers (an ``nn.ModuleList``/``nn.Sequential`` of one class, or a class a Hugging
@@ -401,6 +423,15 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
             Blocks of the same shapes share one compilation, which the first training step pays
             (a few seconds for an 8B-class layer on an H100); a block that fails to compile runs in
             eager mode with one warning. See [Note: compiled blocks] in ``bmtwrap/wrap/compiled.py``.
+        tp_size: tensor parallelism for a Hugging Face model, from its own plan (``model.tp_plan``): in
+            groups of this many consecutive ranks each rank keeps its slice of the layers the plan splits
+            (its attention heads and its part of the MLP, its rows of the vocabulary), and every parameter
+            is then sharded (ZeRO) over the ``world_size // tp_size`` ranks with the same place in their
+            group; gradients are averaged over those. Every rank of a group must get the same batch. It
+            must divide the world size and the model's attention and key/value heads. Default: the
+            process group's (``init_distributed(tp_size=...)``), 1 unless set there; when ``wrap`` starts
+            the process group, it sets it up with this ``tp_size``. See [Note: the Hugging Face
+            tensor-parallel plan] in ``bmtwrap/wrap/tensor_parallel.py``.
         fp8: ``False`` (default): the blocks compute in the model's dtype. ``True`` (torchao's
             ``"tensorwise"`` recipe), ``"rowwise"``, ``"rowwise_with_gw_hp"``, or a torchao
             ``Float8LinearConfig``: the blocks' linear layers compute in float8 (torchao's float8
@@ -416,7 +447,10 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
         ValueError: bad options; a class in ``layers`` that the model does not have; the model
-            already contains :class:`~bmtwrap.Block` modules; parameters on several devices.
+            already contains :class:`~bmtwrap.Block` modules; parameters on several devices; a
+            ``tp_size`` that does not divide the world size or the heads, differs from the process
+            group's, or is given for a model with no tensor-parallel plan.
+        NotImplementedError: a style of the tensor-parallel plan that bmtwrap does not apply.
 
     :func:`bmtwrap.init_distributed` is called with its defaults if it has not been.
 
@@ -435,34 +469,36 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
         raise ValueError(f"offload_params must be True, False or 'auto', got {offload_params!r}")
     if not isinstance(keep_logits, bool):
         raise ValueError(f"keep_logits must be True or False, got {keep_logits!r}")
-    ctx = _dist.current() if _dist.is_initialized() else _dist.init_distributed()
-    if ctx.tp_size > 1:
-        # Its layers are not split: each rank of a tensor-parallel group would train a copy on the same rows.
-        raise NotImplementedError(
-            f"wrap() under init_distributed(tp_size={ctx.tp_size}) is not supported: tensor parallelism splits only "
-            "the layers of bmt.nn (ColumnParallelLinear, RowParallelLinear, VPEmbedding); build the model from "
-            "them, or leave tp_size out and let wrap() shard the model over every rank")
+    tp_size = check_tp_size(tp_size, None)
+    ctx = _dist.current() if _dist.is_initialized() else _dist.init_distributed(tp_size=tp_size or 1)
+    tp_size = check_tp_size(tp_size, ctx)
     compile_with = compile_options(compile, ctx.device)
     float8 = float8_choice(fp8)
     if float8 is not None:
         check_device(float8, ctx.device)
+        if tp_size > 1:  # the tensor-parallel linears run their own forward, which would bypass float8's
+            raise NotImplementedError(f"wrap(fp8=..., tp_size={tp_size}): float8 blocks with tensor parallelism are "
+                                      "not supported yet; use fp8 with tp_size=1 (ZeRO alone), or tp_size without fp8")
     eng = engine(ctx)
     compared = compile if isinstance(compile, (bool, str)) else tuple(sorted(compile_with.items()))
     options = WrapOptions(layers, checkpoint, zero_level or ctx.zero_level, reduce_dtype, max_gpu_memory,
-                          offload_params, keep_logits, compared, None if float8 is None else float8.compared)
+                          offload_params, keep_logits, tp_size, compared, None if float8 is None else float8.compared)
     if _already_wrapped(model, options) is not None:
         return model
     if any(isinstance(m, BlockModule) for m in model.modules()):
         raise ValueError("this model already contains bmtwrap Blocks; wrap a plain model, or use the Blocks as they are")
     eng.dissolve_wrapped_under(model)  # wrapped parts are sharded again as parts of this model
+    # Before the plan and the sharding: they see each parameter at the shape of this rank's slice.
+    split = split_by_plan(model, ctx) if tp_size > 1 else None
 
     params_offloaded = (_offload_params_chosen(model, ctx, max_gpu_memory) if offload_params == "auto"
                         else offload_params)
     the_plan, blocks, shared_ids = make_plan(model, ctx.world_size, layers=layers, checkpoint=checkpoint,
                                              offload=OffloadOptions(params=params_offloaded),
                                              fused_loss=not keep_logits, shard_size=ctx.shard_size)
+    the_plan = replace(the_plan, tp_size=tp_size)
     if float8 is not None:
-        the_plan = dataclasses.replace(the_plan, fp8=describe(float8, blocks))
+        the_plan = replace(the_plan, fp8=describe(float8, blocks))
         convert_blocks(blocks, float8)
     adapter = adapter_for(model)
     adapter.prepare(model)
@@ -484,6 +520,9 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
     root_group = build_group(ctx, eng.registry, model, ROOT_LABEL, lambda g, p: None, reduce_dtype,
                              exclude=owned, allow_meta=True)
     root = RootRunner(eng, root_group, replicated=[])
+    if split is not None:
+        mark_split([runner.group for _, runner in runners] + [root_group], split)
+        restore_forwards += split.restores
     if not keep_logits:
         loss_handles, restore_head = adapter.loss_without_logits(model)
         handles += loss_handles
@@ -504,7 +543,7 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
         auto = auto_recompute(root, [r for _, r in runners], max_gpu_memory, ctx.device)
     eng.install_step_check(_check_optimizer)
     record = Wrapped(weakref.ref(model), options, the_plan, runners, root, adapter, stale, handles, restore_forwards,
-                     auto)
+                     auto, split)
     eng.register_wrapped(model, record)
     return model
 

@@ -22,6 +22,7 @@ from typing import Dict, Iterator, List, Set, Tuple
 import torch
 from torch import nn
 
+from ..engine.full_state import tp_cut, tp_full_shape
 from ..engine.group import ParamGroup
 from .convert import StaleBuffer, Wrapped, wrapped_record
 
@@ -29,9 +30,10 @@ __all__ = ["materialize", "restore_buffers"]
 
 
 def _full_shapes(record: Wrapped) -> Dict[int, torch.Size]:
-    """id(parameter) → its full shape, for every parameter the wrap sharded (at rest they are 1-D pieces)."""
+    """id(parameter) → its full shape (joined over tensor parallelism), for every parameter the wrap sharded (at
+    rest they are 1-D pieces)."""
     groups = [record.root.group] + [runner.group for _, runner in record.runners]
-    return {id(slot.param): slot.shape for group in groups for slot in group.slots}
+    return {id(slot.param): tp_full_shape(slot) for group in groups for slot in group.slots}
 
 
 @contextlib.contextmanager
@@ -116,7 +118,8 @@ def materialize(model: nn.Module) -> nn.Module:
 
     Each group is gathered (uninitialised), every module it covers is initialised at full shape
     (Hugging Face models with their own ``_init_weights``, which also computes buffers such as
-    rotary ``inv_freq``; other modules with ``reset_parameters()``), and each rank keeps its piece.
+    rotary ``inv_freq``; other modules with ``reset_parameters()``), and each rank keeps its piece;
+    a parameter split by tensor parallelism is initialised whole, and each rank keeps its slice.
     Every rank draws the same random numbers, so the pieces fit together. A collective.
 
     Raises:
@@ -131,12 +134,20 @@ def materialize(model: nn.Module) -> nn.Module:
         for buffer in group.buffers:
             buffer.initialized = True
         group.ensure_gathered()
-        group.swap_in([view.detach() for view in group.unshard()])
+        views = [view.detach() for view in group.unshard()]
+        # A parameter split by tensor parallelism is initialised whole and cut: its slices then differ between
+        # the ranks of the group (its attention heads, say), as they would in the unwrapped model.
+        whole = [view if slot.tp_split_dim is None else view.new_empty(tp_full_shape(slot))
+                 for slot, view in zip(group.slots, views)]
+        group.swap_in(whole)
         try:
             for module in modules:
                 initialise(module)
         finally:
             group.swap_out()
+        for slot, view, value in zip(group.slots, views, whole):
+            if value is not view:
+                view.copy_(tp_cut(slot, value))
         for buffer in group.buffers:
             buffer.keep_own_piece()
         group.release()

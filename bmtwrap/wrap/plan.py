@@ -190,6 +190,7 @@ class WrapPlan:
         ranks_per_host: ranks sharing one host's memory, for the per-host figure.
         max_gpu_memory: the budget planned for, if any.
         shard_size: ranks each parameter is sharded over (``init_distributed(shard_size=...)``); 0 for the world.
+        tp_size: ranks of a tensor-parallel group (``wrap(tp_size=...)``): the groups count one rank's slices.
         fp8: the float8 compute of the blocks' linear layers (``wrap(fp8=...)``): "off", or the recipe and the count.
     """
 
@@ -205,6 +206,7 @@ class WrapPlan:
     ranks_per_host: int = 1
     max_gpu_memory: Optional[int] = None  # the budget planned for (checkpoint="auto" keeps what fits under it)
     shard_size: int = 0  # ranks each parameter is sharded over (hybrid sharding); 0: world_size
+    tp_size: int = 1
     fp8: str = "off"  # wrap(fp8=...): the recipe and how many of the blocks' linear layers compute in float8
 
     @property
@@ -231,6 +233,8 @@ class WrapPlan:
 
         sharding = (f", sharded in groups of {self.shards} ({self.world_size // self.shards} replicas)"
                     if self.shards != self.world_size else "")
+        if self.tp_size > 1:  # the shard groups hold different slices: none replicates another
+            sharding = f", tensor-parallel groups of {self.tp_size} (one rank's slices), sharded over {self.shards}"
         lines = [f"WrapPlan for {self.model} over {self.world_size} rank(s){sharding}: {len(self.blocks)} blocks "
                  f"({self.rule}), checkpoint={self.checkpoint!r}",
                  f"  {'group':<44} {'class':<28} {'params':>14} {'size':>12}  ckpt"]
