@@ -117,8 +117,8 @@ def profile_step(run: Callable[[], Any]) -> Dict[str, Any]:
         wall = time.perf_counter() - start
     copies, kernels, comms = [], [], {}
     for e in prof.events():
-        if e.device_type != DeviceType.CUDA:
-            continue
+        if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
+            continue  # record_function's ranges show on the GPU too, spanning the kernels they launched
         name = e.name.lower()
         if "nccl" in name:  # NCCL's kernels by kind; the profiler's own ranges around them are left out
             kind = next((k for k in ("AllGather", "ReduceScatter", "AllReduce") if k.lower() in name), None)
@@ -153,11 +153,16 @@ def profile_step(run: Callable[[], Any]) -> Dict[str, Any]:
 
     every = hidden(spans_of([e for events in comms.values() for e in events]))
     kinds: Dict[str, float] = {}
+    names: Dict[str, List[float]] = {}
     for e in kernels:
         kind = kernel_kind(e.name.lower())
-        kinds[kind] = kinds.get(kind, 0.0) + (e.time_range.end - e.time_range.start) / 1e6
+        took = (e.time_range.end - e.time_range.start) / 1e6
+        kinds[kind] = kinds.get(kind, 0.0) + took
+        names.setdefault(f"{kind}: {e.name[:90]}", []).append(took)
+    top = sorted(names.items(), key=lambda kv: -sum(kv[1]))[:15]
     return dict(profiled_step_s=round(wall, 4), gpu_busy_pct=round(100 * compute / wall, 1),
                 kernel_s={k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+                top_kernels=[[name, len(times), round(sum(times), 4)] for name, times in top],
                 gpu_copy_pct=round(100 * copied / wall, 1), longest_gpu_gap_s=round(gap, 4),
                 comm_s=every["s"], comm_hidden_pct=every["hidden_pct"],
                 comm_by_kind={kind: hidden(spans_of(events)) for kind, events in comms.items()})
