@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import resource
@@ -66,6 +67,12 @@ import torch.distributed as dist
 from torch import nn
 
 import bmtwrap as bmt
+
+# transformers and peft import torchao whenever it is installed (bmtwrap's fp8 extra). On a CPU build of torch it
+# warns that its GPU kernels do not load, and torch that torchao registers its enums the old way: lines about
+# nothing this run uses (fp8 needs a GPU, where the kernels load) or that its user could act on.
+for _noisy in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_noisy).setLevel(logging.ERROR)
 # The command line and the checks of every input, and how the processes start and end, live beside this file.
 from finetune_hf_cli import (DID_NOT_LEARN, LEARNED, MISTAKE, PROG, SHAPES, Outcome, RunFailed, UsageError,
                              check_inputs, lora_targets, parse_args, planned_world_size, resumed_batch, run_identity)
