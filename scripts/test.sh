@@ -10,9 +10,10 @@ export PYTHON
 bash scripts/install.sh test
 
 # The multi-process tests start their workers with OMP_NUM_THREADS=1 themselves; the pytest process keeps
-# torch's default (one thread per core) unless the caller sets it.
+# torch's default (one thread per core) unless the caller sets it. The 20 slowest tests are listed at the end,
+# to keep the suite's time in view.
 status=0
-"$PYTHON" -m pytest -q "$@" || status=$?
+"$PYTHON" -m pytest -q --durations=20 "$@" || status=$?
 if ((status == 5)); then
     echo "test.sh: pytest collected no tests; that is a failure" >&2
     exit 1
