@@ -168,6 +168,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--tp-size", type=int, default=1,
                       help="tensor parallelism, as wrap(tp_size=N): the layers the model's plan splits count at one "
                            "rank's slice, and parameters are sharded over --world-size / N ranks (default 1)")
+    plan.add_argument("--fp8", default="off", choices=["off", "tensorwise", "rowwise", "rowwise_with_gw_hp"],
+                      help="wrap(fp8=...): name the float8 recipe and count the linear layers it converts (needs torchao)")
     plan.add_argument("--ranks-per-host", type=int, default=None,
                       help="ranks sharing one host's memory, for the per-host figure (default: world size, at most 8)")
     plan.add_argument("--batch-size", type=int, help="sequences per rank, for the activation estimate")
@@ -246,7 +248,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                             step_in_backward={"true": True, "false": False}.get(args.step_in_backward, "auto"),
                             offload_params={"true": True, "false": False}.get(args.offload_params, "auto"),
                             ranks_per_host=args.ranks_per_host, max_gpu_memory=budget, compile=not args.no_compile,
-                            shard_size=args.shard_size or args.world_size // args.tp_size, tp_size=args.tp_size)
+                            shard_size=args.shard_size or args.world_size // args.tp_size, tp_size=args.tp_size,
+                            fp8=False if args.fp8 == "off" else args.fp8)
+    except ImportError as error:  # --fp8 without torchao
+        raise SystemExit(f"--fp8 {args.fp8}: {error}") from None
     except (ValueError, NotImplementedError) as error:
         if args.tp_size == 1:
             raise

@@ -178,3 +178,14 @@ def test_tp_size_counts_one_ranks_slices(folders, tmp_path, capsys):
         main(["plan", str(folders["llama"]), "--world-size", "4", "--tp-size", "2"])
     with pytest.raises(SystemExit, match="--tp-size 3 must divide --world-size 4"):
         main(["plan", str(folders["llama"]), "--world-size", "4", "--tp-size", "3"])
+
+
+def test_fp8_names_the_recipe_and_the_linears_it_converts(folders, capsys):
+    """--fp8 rowwise (wrap(fp8="rowwise")): the plan counts the blocks' linear layers computed in float8: of each
+    layer's 7, all but k_proj and v_proj, whose 8 outputs (one key/value head of 8) are no multiple of 16."""
+    assert main(["plan", str(folders["llama"]), "--fp8", "rowwise"]) == 0
+    out = capsys.readouterr().out
+    found = re.search(r"float8 compute: rowwise: (\d+) of the blocks' (\d+) linear layers in float8", out)
+    assert found and (found.group(1), found.group(2)) == (str(2 * 5), str(2 * 7)), out
+    assert main(["plan", str(folders["llama"])]) == 0
+    assert "float8" not in capsys.readouterr().out
