@@ -467,3 +467,15 @@ def test_fp8_off_leaves_every_linear_as_it_is():
     assert {type(m) for m in model.modules() if isinstance(m, nn.Linear)} == {nn.Linear}
     assert bmt.plan(tiny_llama()).fp8 == "off"
     assert bmt.plan(tiny_llama(), fp8="rowwise").fp8 == "rowwise: 14 of the blocks' 14 linear layers in float8"
+
+
+def test_fp8_leaves_a_block_that_is_itself_a_linear_layer_as_it_is():
+    """The engine runs each block module itself: one that is an nn.Linear keeps its class (and is counted so)."""
+    from torchao.float8 import Float8LinearConfig
+
+    emulated = Float8LinearConfig(emulate=True)
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(3)])
+    assert bmt.plan(model, fp8=emulated).fp8 == "config: 0 of the blocks' 3 linear layers in float8"
+    bmt.wrap(model, fp8=emulated)
+    assert [type(m) for m in model] == [nn.Linear] * 3
+    assert model(torch.randn(2, 32)).shape == (2, 32)

@@ -107,23 +107,26 @@ def _convertible(module: nn.Module) -> bool:
     return (type(module) is nn.Linear and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
 
+def _inner_linears(block: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """The linear layers inside ``block`` (a block that is itself an ``nn.Linear`` keeps its class: the engine
+    runs that very module, which a conversion would replace by another)."""
+    return [(name, m) for name, m in block.named_modules() if name and isinstance(m, nn.Linear)]
+
+
 def float8_linears(blocks: Sequence[Tuple[str, nn.Module]]) -> Tuple[int, int]:
     """How many of the blocks' linear layers convert to float8, and how many linear layers they have."""
     linears = [m for _, block in blocks for m in block.modules() if isinstance(m, nn.Linear)]
-    return sum(map(_convertible, linears)), len(linears)
+    inner = [m for _, block in blocks for _, m in _inner_linears(block)]
+    return sum(map(_convertible, inner)), len(linears)
 
 
-def convert_blocks(blocks: Sequence[Tuple[str, nn.Module]], choice: Float8Choice) -> List[str]:
-    """Swap the blocks' convertible ``nn.Linear`` modules for torchao's ``Float8Linear``, in place (same parameters);
-    the qualified names, within each block, of those that stay in the model's dtype."""
+def convert_blocks(blocks: Sequence[Tuple[str, nn.Module]], choice: Float8Choice) -> None:
+    """Swap the convertible ``nn.Linear`` modules inside the blocks for torchao's ``Float8Linear``, in place (the same
+    parameter objects); the others stay in the model's dtype."""
     float8 = _torchao()
-    kept: List[str] = []
-    for name, block in blocks:
-        kept += [f"{name}.{sub}" for sub, m in block.named_modules()
-                 if type(m) is nn.Linear and not _convertible(m)]
+    for _, block in blocks:
         float8.convert_to_float8_training(block, config=choice.config,
-                                          module_filter_fn=lambda module, fqn: _convertible(module))
-    return kept
+                                          module_filter_fn=lambda module, fqn: bool(fqn) and _convertible(module))
 
 
 def describe(choice: Optional[Float8Choice], blocks: Sequence[Tuple[str, nn.Module]]) -> str:
