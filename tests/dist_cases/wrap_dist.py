@@ -8,7 +8,7 @@ import functools
 import shutil
 import sys
 import tempfile
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import torch
 import transformers
@@ -92,6 +92,26 @@ def meta_then_materialize() -> Dict[str, Any]:
     }
 
 
+HYPER = dict(lr=1e-3, eps=1e-6, weight_decay=0.01)
+
+
+def _batch(seed: int) -> Tuple[int, int, torch.Tensor, int]:
+    """World size, rank, a 12 x 12 batch of ids the same on every rank, and the rows each rank takes (12 divides
+    among 1 to 4 ranks)."""
+    world = bmt.world_size()
+    ids = torch.randint(0, 96, (12, 12), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    return world, bmt.rank(), ids, 12 // world
+
+
+def _sharded_step(model: torch.nn.Module, opt: Any, rows: torch.Tensor) -> torch.Tensor:
+    """One training step of the wrapped model on this rank's rows; its loss."""
+    opt.zero_grad()
+    loss = model(rows, labels=rows).loss
+    loss.backward()
+    opt.step()
+    return loss
+
+
 def offload_params_training() -> Dict[str, Any]:
     """wrap(offload_params=True) of a model built on meta, loaded, then trained 5 steps with the offload
     optimizer stepping in backward, against the unwrapped model and torch's AdamW."""
@@ -100,23 +120,16 @@ def offload_params_training() -> Dict[str, Any]:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
     bmt.wrap(model, offload_params=True)
     bmt.load_state_dict(model, ref.state_dict())
-    hyper = dict(lr=1e-3, eps=1e-6, weight_decay=0.01)
-    opt_ref = torch.optim.AdamW(ref.parameters(), **hyper)
-    opt = bmt.optim.AdamOffloadOptimizer(model.parameters(), step_in_backward=True, chunk_numel=1000, **hyper)
-    world, rank = bmt.world_size(), bmt.rank()
-    ids = torch.randint(0, 96, (12, 12), generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    share = 12 // world
+    opt_ref = torch.optim.AdamW(ref.parameters(), **HYPER)
+    opt = bmt.optim.AdamOffloadOptimizer(model.parameters(), step_in_backward=True, chunk_numel=1000, **HYPER)
+    world, rank, ids, share = _batch(4)
     rels = []
     for _ in range(5):
         opt_ref.zero_grad()
         ref_loss = ref(ids, labels=ids).loss
         ref_loss.backward()
         opt_ref.step()
-        opt.zero_grad()
-        mine = ids[rank * share : (rank + 1) * share]
-        loss = model(mine, labels=mine).loss
-        loss.backward()
-        opt.step()
+        loss = _sharded_step(model, opt, ids[rank * share : (rank + 1) * share])
         rels.append(abs(bmt.sum_loss(loss).item() - ref_loss.item()) / ref_loss.item())
     full, expected = bmt.full_state_dict(model), ref.state_dict()
     return {"loss_max_rel": max(rels),
@@ -140,11 +153,8 @@ def fp8_training() -> Dict[str, Any]:
                                      module_filter_fn=lambda module, fqn: ".layers." in f".{fqn}")
     model = bmt.wrap(copy.deepcopy(plain), fp8=emulated)
     converted = sorted(n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear")
-    hyper = dict(lr=1e-3, eps=1e-6, weight_decay=0.01)
-    opt_ref, opt = torch.optim.AdamW(ref.parameters(), **hyper), torch.optim.AdamW(model.parameters(), **hyper)
-    world, rank = bmt.world_size(), bmt.rank()
-    ids = torch.randint(0, 96, (12, 12), generator=torch.Generator().manual_seed(5)).to(DEVICE)
-    share = 12 // world
+    opt_ref, opt = torch.optim.AdamW(ref.parameters(), **HYPER), torch.optim.AdamW(model.parameters(), **HYPER)
+    world, rank, ids, share = _batch(5)
     rels = []
     for _ in range(4):
         opt_ref.zero_grad()
@@ -156,11 +166,7 @@ def fp8_training() -> Dict[str, Any]:
         for p in ref.parameters():
             p.grad /= world
         opt_ref.step()
-        opt.zero_grad()
-        mine = ids[rank * share : (rank + 1) * share]
-        loss = model(mine, labels=mine).loss
-        loss.backward()
-        opt.step()
+        loss = _sharded_step(model, opt, ids[rank * share : (rank + 1) * share])
         rels.append(abs(loss.item() - ref_losses[rank].item()) / ref_losses[rank].item())
     full, expected = bmt.full_state_dict(model), ref.state_dict()
     folder = [tempfile.mkdtemp(prefix="bmtwrap-fp8-") if rank == 0 else None]
