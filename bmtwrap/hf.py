@@ -40,7 +40,7 @@ import inspect
 import math
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Iterable, Optional, Union
+from typing import Any, Dict, Iterable, NoReturn, Optional, Union
 
 import torch
 import transformers
@@ -79,6 +79,13 @@ def _uses_checkpointing(args: TrainingArguments) -> bool:
     return bool(getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing)
 
 
+def _refuse_tensor_parallel(setting: str) -> NoReturn:
+    raise NotImplementedError(
+        f"{setting}: tensor parallelism needs the same batch on every rank of a tensor-parallel group, and Trainer "
+        "(through accelerate) gives every rank its own; train a model wrapped with bmtwrap.wrap(model, tp_size=...) "
+        "in a loop of your own instead")
+
+
 def _wrap_options(args: TrainingArguments, wrap_options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     """``wrap_options`` with ``args.gradient_checkpointing`` taken as bmtwrap's checkpointing.
 
@@ -95,10 +102,7 @@ def _wrap_options(args: TrainingArguments, wrap_options: Optional[Dict[str, Any]
         raise TypeError(f"wrap_options has {sorted(set(options) - known)}, which bmtwrap.wrap does not take; it takes "
                         f"{sorted(known)}")
     if options.get("tp_size") not in (None, 1):
-        raise NotImplementedError(
-            f"wrap_options={{'tp_size': {options['tp_size']!r}}}: tensor parallelism needs the same batch on every rank "
-            "of a tensor-parallel group, and Trainer (through accelerate) gives every rank its own; train a model "
-            "wrapped with bmtwrap.wrap(model, tp_size=...) in a loop of your own instead")
+        _refuse_tensor_parallel(f"wrap_options={{'tp_size': {options['tp_size']!r}}}")
     if not _uses_checkpointing(args):
         return options
     if options.get("checkpoint", True) is False:
@@ -127,11 +131,8 @@ def _join(args: TrainingArguments) -> None:
     device = args.device  # accelerate's PartialState: adopts the default group
     ctx = _dist.current()
     _warn_if_timeout_unused(args, ctx)
-    if ctx.tp_size > 1:  # see _wrap_options
-        raise NotImplementedError(
-            f"init_distributed(tp_size={ctx.tp_size}): tensor parallelism needs the same batch on every rank of a "
-            "tensor-parallel group, and Trainer (through accelerate) gives every rank its own; train a model wrapped "
-            "with bmtwrap.wrap(model, tp_size=...) in a loop of your own instead")
+    if ctx.tp_size > 1:
+        _refuse_tensor_parallel(f"init_distributed(tp_size={ctx.tp_size})")
     if args.world_size != ctx.world_size:
         raise ValueError(f"TrainingArguments see {args.world_size} process(es) but the process group has "
                          f"{ctx.world_size} ranks: accelerate did not join the job. On a machine without GPUs pass "

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
 import traceback
 from typing import Any, Callable, Dict, List
 
@@ -46,6 +48,18 @@ def raised(call: Callable[[], Any]) -> List[str]:
     except Exception as error:  # reported, not handled: the test matches the type and the message
         return [type(error).__name__, str(error)]
     return ["none", ""]
+
+
+def shared_path(name: str) -> str:
+    """A file name every rank agrees on (in rank 0's new temporary folder)."""
+    folder: List[Any] = [tempfile.mkdtemp() if bmt.rank() == 0 else None]
+    torch.distributed.broadcast_object_list(folder, src=0)
+    return os.path.join(folder[0], name)
+
+
+def diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest absolute difference of two tensors; infinite when their shapes differ."""
+    return float((a.detach().float() - b.detach().float()).abs().max()) if a.shape == b.shape else float("inf")
 
 
 def max_rel(a: float, b: float) -> float:

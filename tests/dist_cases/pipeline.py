@@ -10,9 +10,7 @@ CPU, so within rounding; each case returns the differences for the test to judge
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 from typing import Any, Dict, List
 
 import torch
@@ -21,7 +19,7 @@ from torch import nn
 
 import bmtwrap as bmt
 from bmtwrap.checkpoint import save_checkpoint
-from common import on_device, raised, run
+from common import diff, on_device, raised, run, shared_path
 
 H, V, LAYERS, ROWS, SEQ, STEPS = 32, 16, 4, 2, 3, 3
 
@@ -66,22 +64,11 @@ def reference(p: Dict[str, torch.Tensor], ids: torch.Tensor, mask: torch.Tensor)
     return F.linear(F.layer_norm(h, (H,), p["norm"]), p["embed"])
 
 
-def shared_path(name: str) -> str:
-    """A file name every rank agrees on (rank 0's temporary folder)."""
-    folder: List[Any] = [tempfile.mkdtemp() if bmt.rank() == 0 else None]
-    torch.distributed.broadcast_object_list(folder, src=0)
-    return os.path.join(folder[0], name)
-
-
 def saved(model: nn.Module, name: str) -> Dict[str, torch.Tensor]:
     path = shared_path(name)
     bmt.save(model, path)
     bmt.synchronize()
     return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max()) if a.shape == b.shape else float("inf")
 
 
 def config() -> Dict[str, Any]:

@@ -8,10 +8,8 @@ within rounding. Each case returns the largest differences (and sizes to check) 
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +19,7 @@ import bmtwrap as bmt
 from bmtwrap.checkpoint import save_checkpoint
 from bmtwrap.engine.dist import current
 from bmtwrap.engine.full_state import full_grad_dict
-from common import on_device, raised, run
+from common import diff, on_device, raised, run, shared_path
 
 H, FF, V, ROWS, SEQ, STEPS = 32, 64, 16, 4, 3, 3
 
@@ -33,10 +31,6 @@ def tp() -> int:
 def mine(x: torch.Tensor, dim: int) -> torch.Tensor:
     """This rank's slice of ``x`` along ``dim`` in its tensor-parallel group."""
     return x.chunk(tp(), dim=dim)[bmt.config["tp_rank"]].contiguous()
-
-
-def diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.detach().float() - b.detach().float()).abs().max()) if a.shape == b.shape else float("inf")
 
 
 def grads(layer: nn.Module) -> Dict[str, torch.Tensor]:
@@ -187,13 +181,6 @@ class Reference(nn.Module):
 
 def full_state(path: str) -> Dict[str, torch.Tensor]:
     return torch.load(path, map_location=current().device, weights_only=True)
-
-
-def shared_path(name: str) -> str:
-    """A file name every rank agrees on (rank 0's temporary folder)."""
-    folder: List[Any] = [tempfile.mkdtemp() if bmt.rank() == 0 else None]
-    torch.distributed.broadcast_object_list(folder, src=0)
-    return os.path.join(folder[0], name)
 
 
 def training() -> Dict[str, Any]:

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import shutil
 import sys
-import tempfile
 from typing import Any, Dict, Tuple
 
 import torch
 import transformers
 
 import bmtwrap as bmt
-from common import max_abs_diff, run
+from common import max_abs_diff, run, shared_path
 
 DEVICE = "cuda" if len(sys.argv) > 2 and sys.argv[2] == "cuda" else "cpu"
 CONFIG = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -169,9 +169,7 @@ def fp8_training() -> Dict[str, Any]:
         loss = _sharded_step(model, opt, ids[rank * share : (rank + 1) * share])
         rels.append(abs(loss.item() - ref_losses[rank].item()) / ref_losses[rank].item())
     full, expected = bmt.full_state_dict(model), ref.state_dict()
-    folder = [tempfile.mkdtemp(prefix="bmtwrap-fp8-") if rank == 0 else None]
-    torch.distributed.broadcast_object_list(folder)
-    path = f"{folder[0]}/fp8.pt"
+    path = shared_path("fp8.pt")
     bmt.save(model, path)
     saved = torch.load(path, weights_only=True)
     plain.load_state_dict(saved)  # the file holds the unwrapped model's tensors: no float8, no extra keys
@@ -180,7 +178,7 @@ def fp8_training() -> Dict[str, Any]:
     reloaded = bmt.full_state_dict(again)
     bmt.synchronize()
     if rank == 0:
-        shutil.rmtree(folder[0])
+        shutil.rmtree(os.path.dirname(path))
     return {"loss_max_rel": max(rels), **max_abs_diff(full, expected),
             "converted": converted,
             "block_linears": sorted(n for n, m in plain.named_modules() if type(m) is torch.nn.Linear and ".layers." in n),
