@@ -44,6 +44,7 @@ from ..engine.shard import build_group, unshard_group
 from ..engine.schedule import engine
 from .adapters import ModelAdapter, adapter_for
 from .auto import AutoRecompute, auto_recompute
+from .attention import with_attention_order
 from .compiled import CompileOption, compile_options, compiled_forward
 from .detect import LayerPolicy
 from .fp8 import FP8Option, check_device, convert_blocks, describe, float8_choice
@@ -263,19 +264,21 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                     )
 
 
-def _install_forward(module: nn.Module, runner: BlockRunner,
-                     compile_with: Optional[Dict[str, Any]]) -> Callable[[], None]:
+def _install_forward(module: nn.Module, runner: BlockRunner, compile_with: Optional[Dict[str, Any]],
+                     device: torch.device) -> Callable[[], None]:
     """Run ``module``'s forward through ``runner``, compiled with ``torch.compile(**compile_with)`` unless that is
-    ``None``; returns what undoes it."""
+    ``None``, under the attention kernel order for ``device`` (see [Note: the attention kernel]); returns what
+    undoes it."""
     original = module.forward  # may be an instance forward set by another library (accelerate's hooks)
-    body = original if compile_with is None else compiled_forward(original, runner.name, compile_with)
+    compiled = None if compile_with is None else compiled_forward(original, runner.name, compile_with)
+    body = with_attention_order(compiled or original, device)
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
         return runner.run(body, args, kwargs)
 
     forward.block_runner = runner  # a Block built over this module calls it instead of running it again
-    forward.compiled_body = None if body is original else body  # is_eager() tells whether it fell back
+    forward.compiled_body = compiled  # is_eager() tells whether it fell back
     return replace_forward(module, forward)
 
 
@@ -510,7 +513,7 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
         runner = BlockRunner(module, name, recompute=bool(block_plan.checkpoint), zero_level=options.zero_level,
                              reduce_dtype=reduce_dtype, exclude=shared_ids, allow_meta=True,
                              offload=OffloadPolicy(params=params_offloaded))
-        restore_forwards.append(_install_forward(module, runner, compile_with))
+        restore_forwards.append(_install_forward(module, runner, compile_with, ctx.device))
         handles.append(register_full_state_dict(module))
         runners.append((module, runner))
     owned = {id(slot.param) for _, runner in runners for slot in runner.group.slots}
