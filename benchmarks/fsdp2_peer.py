@@ -29,6 +29,7 @@ inductor's C++ compiler.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -42,6 +43,7 @@ import torch.distributed as dist
 import transformers
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from bmtwrap.wrap.attention import attention_order, preferred_backends
 from train_llama import PEAK_FLOPS, add_shape_arguments, flops_per_token, shape
 from train_llama import SIZES as TRAIN_SIZES
 
@@ -174,6 +176,9 @@ def main() -> None:
                         help="torchao float8 training of the decoder layers, as torchtitan sets it (implies --compile)")
     parser.add_argument("--shard-size", type=int, default=None,
                         help="HSDP: shard in groups of this many ranks, replicate across them")
+    parser.add_argument("--attention", default="torch", choices=["torch", "cudnn"],
+                        help="the attention kernel: torch's own order (flash first), or cuDNN's first as bmtwrap's "
+                             "blocks run on compute capability 9.0 (bmtwrap.wrap.attention)")
     parser.add_argument("--compile-backend", default="inductor",
                         help="torch.compile's backend (aot_eager: no C++ compiler, for a CPU smoke test)")
     args = parser.parse_args()
@@ -210,7 +215,9 @@ def main() -> None:
 
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq),
                         generator=torch.Generator().manual_seed(rank)).to(device)
-    timing = train(model, optimizer, ids, warmup=args.warmup, steps=args.steps, after_step=after_step)
+    order = preferred_backends(args.attention, device)
+    with contextlib.nullcontext() if order is None else attention_order(order):
+        timing = train(model, optimizer, ids, warmup=args.warmup, steps=args.steps, after_step=after_step)
     if not math.isfinite(timing.loss):
         raise SystemExit(f"the loss is {timing.loss} after {args.warmup + args.steps} steps: training is broken, "
                          "the timings mean nothing")
@@ -219,7 +226,7 @@ def main() -> None:
         print("RESULT " + json.dumps(dict(
             system=(f"fsdp2-fp8-{args.fp8}" if args.fp8 != "off" else "fsdp2-compile" if args.compile else "fsdp2"),
             size=args.size, layers=config.num_hidden_layers, world=world, keep=args.keep,
-            shard_size=args.shard_size or world, batch=args.batch,
+            shard_size=args.shard_size or world, batch=args.batch, attention=args.attention,
             seq=args.seq, params=params, activation_checkpointing=checkpoint, step_s=round(timing.median_s, 4),
             tok_s_gpu=round(tokens / timing.median_s, 1),
             mfu=round(per_token * tokens / timing.median_s / PEAK_FLOPS, 4) if cuda else None,

@@ -29,6 +29,8 @@ import torch
 import transformers
 
 import bmtwrap as bmt
+from bmtwrap.optim import gpu_updates
+from bmtwrap.wrap import attention
 from bmtwrap.engine.collectives import traffic
 from bmtwrap.engine.memory import CudaGauge
 from bmtwrap.wrap.convert import wrapped_record
@@ -45,6 +47,9 @@ SIZES = {
                 num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
     # Llama-2-13B's layers with Llama 3's grouped-query attention and vocabulary: 12.3 B parameters.
     "13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+    # Llama-3-70B's shapes (80 layers, 70.6 B parameters); with --layers N, a slice of it at its width.
+    "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                 num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
 }
 PEAK_FLOPS = 989e12  # bf16 dense, H100 / H200 SXM
@@ -200,6 +205,16 @@ def main() -> None:
                         help="wrap(fp8=...): the blocks' linear layers in float8 (torchao); MFU stays counted "
                              "against the bf16 peak")
     parser.add_argument("--zero-level", type=int, default=3, choices=[2, 3])
+    parser.add_argument("--attention", default="auto", choices=["auto", "torch", "cudnn", "flash", "efficient"],
+                        help="the blocks' attention kernel (bmtwrap.wrap.attention.PREFERENCE): auto is cuDNN first on "
+                             "compute capability 9.0, torch is torch's own order")
+    parser.add_argument("--gpu-updates", default="side", choices=["side", "compute"],
+                        help="where the optimizer updates the state kept on the GPU: on a side stream beside the next "
+                             "forward (default), or on the computing stream after backward "
+                             "(bmtwrap.optim.gpu_updates.BESIDE_FORWARD)")
+    parser.add_argument("--tp", type=int, default=1, metavar="T",
+                        help="wrap(tp_size=T): the model's tensor-parallel plan in groups of T ranks, ZeRO over the "
+                             "rest; each group trains on one batch, so tokens/s/GPU counts a group's batch once")
     parser.add_argument("--shard-size", type=int, default=None,
                         help="init_distributed(shard_size=...): hybrid sharding in groups of this many ranks")
     parser.add_argument("--optimizer", default="auto",
@@ -222,11 +237,13 @@ def main() -> None:
     parser.add_argument("--auto-headroom", type=float, default=None,
                         help="share of the GPU that offload_fraction='auto' leaves free (default: the optimizer's)")
     args = parser.parse_args()
+    attention.PREFERENCE = args.attention
+    gpu_updates.BESIDE_FORWARD = args.gpu_updates == "side"
     if args.auto_headroom is not None:
         bmt.engine.placement.AUTO_HEADROOM = args.auto_headroom
     fraction = args.offload_fraction if args.offload_fraction == "auto" else float(args.offload_fraction)
 
-    ctx = bmt.init_distributed(seed=0, zero_level=args.zero_level, shard_size=args.shard_size)
+    ctx = bmt.init_distributed(seed=0, zero_level=args.zero_level, shard_size=args.shard_size, tp_size=args.tp)
     config = transformers.LlamaConfig(max_position_embeddings=max(args.seq, 128), attn_implementation="sdpa",
                                       **shape(args, SIZES))
     with torch.device("meta"):
@@ -245,14 +262,14 @@ def main() -> None:
                        offload_optimizer=plan_optimizer, offload_fraction=fraction if plan_optimizer is True else 1.0,
                        step_in_backward={"offload": False, "offload-in-backward": True}.get(args.optimizer, "auto"),
                        offload_params=offload_params, max_gpu_memory=card,
-                       keep_logits=args.keep_logits, compile=compile_option, fp8=fp8)
+                       keep_logits=args.keep_logits, compile=compile_option, fp8=fp8, tp_size=args.tp)
     bmt.print_rank(f"plan: optimizer state on the host {planned.offload.fraction:.3f}, "
                    f"{sum(not b.checkpoint for b in planned.blocks)} blocks kept, "
                    f"{planned.memory.total / 2**30:.2f} GiB", flush=True)
     planned = planned.memory
     model = bmt.wrap(model, checkpoint=checkpoint, offload_params=offload_params,
                      max_gpu_memory=args.max_gpu_memory, keep_logits=args.keep_logits, compile=compile_option,
-                     fp8=fp8)
+                     fp8=fp8, tp_size=args.tp)
     bmt.materialize(model)
     model.train()
     optimizer = {
@@ -272,8 +289,9 @@ def main() -> None:
         manager = bmt.optim.OptimManager()
         manager.add_optimizer(optimizer)
 
+    # The ranks of a tensor-parallel group share their batch.
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq),
-                        generator=torch.Generator().manual_seed(ctx.rank)).to(ctx.device)
+                        generator=torch.Generator().manual_seed(ctx.rank // args.tp)).to(ctx.device)
     loss_peaks: List[float] = []
     if args.loss_peak:
         model.model.norm.register_full_backward_pre_hook(
@@ -319,15 +337,16 @@ def main() -> None:
                          "the timings mean nothing")
     auto = wrapped_record(model).auto  # what checkpoint="auto" chose, for the row
     step_s = statistics.median(times)
-    tokens = args.batch * args.seq
+    tokens = args.batch * args.seq / args.tp  # per GPU: a tensor-parallel group's T GPUs share one batch
     bmt.print_rank("RESULT " + json.dumps(dict(
         system="bmtwrap", size=args.size, layers=config.num_hidden_layers, world=ctx.world_size,
-        shard_size=ctx.shard_size, batch=args.batch,
+        shard_size=ctx.shard_size, tp=args.tp, batch=args.batch,
         seq=args.seq, params=params, traffic_per_step=moved,
         activation_checkpointing=args.checkpoint, zero_level=args.zero_level, optimizer=args.optimizer,
         optimizer_class=type(optimizer).__name__,
         compile=args.compile, compiled=compiled_blocks(model), keep_logits=args.keep_logits,
-        fp8=wrapped_record(model).plan.fp8,
+        fp8=wrapped_record(model).plan.fp8, attention=args.attention, gpu_updates=args.gpu_updates,
+        attention_order=[b.name for b in attention.preferred_backends(args.attention, ctx.device) or []],
         first_step_s=round(first_step_s, 1),
         offload_threads=args.offload_threads,
         offload_fraction=round(optimizer.offload_fraction, 3) if offloading else args.offload_fraction,
