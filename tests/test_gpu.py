@@ -43,6 +43,10 @@ def test_bf16_training_matches_unwrapped_on_two_gpus():
         r = results[name]
         if "error" in r or not (r["losses_equal"] and r["params_equal"]):
             failures.append(f"{name}: state_dict -> load_state_dict does not resume bit-exactly: {r}")
+    beside = results["gpu_updates_beside_forward"]
+    if "error" in beside or not (beside["losses_equal"] and beside["params_differing"] == 0
+                                 and beside["moments_equal"] and beside["offload_fraction"] == [0.0, 0.0]):
+        failures.append(f"GPU updates on a side stream differ from those on the computing stream: {beside}")
     half = results["offload_half_matches_adam"].get("gpu_state_fraction", 0.0)
     if not 0.3 <= half <= 0.7:
         failures.append(f"offload_fraction=0.5 kept {half:.2f} of the state on the GPU")

@@ -83,6 +83,7 @@ def shard_full_tensors(module: nn.Module, state_dict: Dict[str, Any], prefix: st
         if key not in state_dict or not eng.registry.is_sharded(param):
             continue
         buffer, slot = eng.registry.slot_of(eng.ctx, param)
+        buffer.wait_writes()  # an optimizer's update still in flight would land after the loaded value
         value = tp_cut(slot, state_dict[key])
         if tuple(value.shape) == tuple(slot.shape):
             state_dict[key] = value.reshape(-1)[slot.piece.param_start : slot.piece.param_end]

@@ -14,7 +14,8 @@ from ..engine.memory import gauge_for
 from ..engine.group import ROOT_LABEL
 from ..engine.offload import DEFAULT_CHUNK_NUMEL, DEFAULT_SLOTS, adam_state_bytes, expandable_segments, host_zeros
 from ..engine.schedule import engine
-from .adam_state import _AdamBase, _offload_policy, _update_in_place
+from .adam_state import _AdamBase, _offload_policy
+from .gpu_updates import GpuUpdates
 from .nonfinite import NonFiniteGradientError
 from .overlap import BackwardOverlap
 from .state_placement import StatePlacement
@@ -205,6 +206,7 @@ class AdamOffloadOptimizer(StatePlacement, BackwardOverlap, _AdamBase):
         self._loss_peak: Optional[int] = None  # the GPU's peak when the first step's first gradient was final
         # step_in_backward on a GPU: the side stream copying gradients updated on the CPU to the host.
         self._host_grad_stream: Optional[torch.cuda.Stream] = None
+        self._gpu_updates = GpuUpdates()  # the state kept on the GPU: updated beside the next forward
         # BackwardOverlap's state (see overlap.py).
         self._handed = {}
         self._started = {}
@@ -256,8 +258,11 @@ class AdamOffloadOptimizer(StatePlacement, BackwardOverlap, _AdamBase):
         super().load_state_dict(state_dict)
 
     def wait(self) -> None:
-        """Block until every queued update is written back (the host side; CUDA copies may still run)."""
+        """Block until every queued update is written back (the host side; CUDA copies may still run), and order
+        the current stream after the updates of the state kept on the GPU (see [Note: GPU updates beside the
+        next forward] in ``gpu_updates.py``)."""
         self._offload.wait_all()
+        self._gpu_updates.wait()
 
     def offload_stats(self) -> Dict[str, float]:
         """Where the CPU worker's time went so far (see ``ops.OffloadQueue.stats``): seconds in the
@@ -284,6 +289,8 @@ class AdamOffloadOptimizer(StatePlacement, BackwardOverlap, _AdamBase):
         self._accumulating = False
         if is_initialized():
             self._passes_at_step = engine().passes_done  # the next backward is the first of a step
+        if not set_to_none:
+            self._gpu_updates.wait()  # zeros written over gradients the GPU updates may still read
         super().zero_grad(set_to_none)
 
     def _discard_backward(self) -> None:
@@ -299,9 +306,8 @@ class AdamOffloadOptimizer(StatePlacement, BackwardOverlap, _AdamBase):
         ``ready_stream`` (default: the current one) reaches this point; those handed over in backward once
         their copies are. An update started in backward is kept where it used what this step applies, and
         redone from the state it started from where it did not (see [Note: speculative updates])."""
-        for p, state, hyper in work:
-            if id(p) in self._on_gpu:
-                _update_in_place(p, state, hyper)
+        self._gpu_updates.run([item for item in work if id(item[0]) in self._on_gpu], self._priority,
+                              self._buffer_of)
         host = [(p, state, hyper) for p, state, hyper in work if id(p) not in self._on_gpu]
         plain = [item for item in host if id(item[0]) not in self._handed]
         grads = [p.grad.detach().contiguous() for p, _, _ in plain]
@@ -336,12 +342,18 @@ class AdamOffloadOptimizer(StatePlacement, BackwardOverlap, _AdamBase):
         for p, ticket in zip(params, self._offload.submit(updates, ready_stream)):
             self._after_write(p, ticket)
 
-    def _after_write(self, p: torch.Tensor, ticket: ops.OffloadTicket) -> None:
-        """The next reader of ``p`` waits for the update behind ``ticket``."""
+    @staticmethod
+    def _buffer_of(p: torch.Tensor) -> Any:
+        """The engine buffer that gathers ``p`` (whose gathers wait for its writes), or ``None``."""
         registry = engine().registry if is_initialized() else None
         found = registry.lookup(p) if registry is not None else None
-        if found is not None:
-            found[0].await_write(ticket)
+        return None if found is None else found[0]
+
+    def _after_write(self, p: torch.Tensor, ticket: ops.OffloadTicket) -> None:
+        """The next reader of ``p`` waits for the update behind ``ticket``."""
+        buffer = self._buffer_of(p)
+        if buffer is not None:
+            buffer.await_write(ticket)
         else:
             # No gather stands between this parameter and its next reader (a replicated one):
             # the caller's stream waits here. These go first, so the wait is short.

@@ -289,6 +289,37 @@ def offload_grads_wait_on_host() -> Dict[str, Any]:
             "step_grad_bytes": step_grad_bytes}
 
 
+def gpu_updates_beside_forward() -> Dict[str, Any]:
+    """GPU: auto_adam's updates of the state kept on the GPU run on a side stream beside the next forward (see
+    [Note: GPU updates beside the next forward]); the same training, bit for bit, as on the computing stream,
+    with gradients freed or zeroed in place by ``zero_grad`` and the state read between steps."""
+    import bmtwrap.optim.gpu_updates as gpu_updates
+    rank, world = bmt.rank(), bmt.world_size()
+    data = torch.randint(0, 64, (12, 17), generator=torch.Generator().manual_seed(11)).to(DEVICE)
+    share = data[rank * (12 // world) : (rank + 1) * (12 // world)]
+    runs = []
+    for beside in (False, True):
+        gpu_updates.BESIDE_FORWARD = beside
+        try:
+            _, model = build(DTYPE)
+            opt = bmt.optim.auto_adam(model.parameters(), lr=LR, eps=EPS, weight_decay=0.01)
+            losses, states = [], []
+            for i in range(STEPS):
+                opt.zero_grad(set_to_none=i % 2 == 0)
+                loss = model.loss(share)
+                loss.backward()
+                opt.step()
+                losses.append(bmt.sum_loss(loss).item())
+                if i == 1:  # read right after a step: waits for its updates
+                    states.append({k: v["exp_avg"].clone() for k, v in opt.state_dict()["state"].items()})
+            runs.append((losses, bmt.full_state_dict(model), states[0], opt.offload_fraction))
+        finally:
+            gpu_updates.BESIDE_FORWARD = True
+    (l1, s1, m1, f1), (l2, s2, m2, f2) = runs
+    return {"losses_equal": l1 == l2, "params_differing": sum(int((s1[k] != s2[k]).sum()) for k in s1),
+            "moments_equal": all(torch.equal(m1[k], m2[k]) for k in m1), "offload_fraction": [f1, f2]}
+
+
 CASES = {
     "zero3_checkpoint": lambda: train(),
     "zero3_no_checkpoint": lambda: train(use_checkpoint=False),
@@ -338,6 +369,7 @@ if DEVICE == "cuda":
     CASES["offload_auto_matches_adam"] = lambda: offload_matches_adam("offload_auto_in_backward")
     CASES["offload_params_pinned_exactly"] = offload_params_pinned_exactly
     CASES["offload_grads_wait_on_host"] = offload_grads_wait_on_host
+    CASES["gpu_updates_beside_forward"] = gpu_updates_beside_forward
 
 if __name__ == "__main__":
     # Argument 3 (optional): a comma-separated list of the cases to run.
