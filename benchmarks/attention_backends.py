@@ -14,12 +14,13 @@ Prints one line per row and ``RESULT {json}``. See [Note: the attention kernel] 
 from __future__ import annotations
 
 import json
-import statistics
 from typing import Any, Dict, List
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from cross_entropy import measure
 
 # name: (batch, heads, key/value heads, sequence, head size): the Llama 3 shapes benchmarks/train_llama.py runs.
 SHAPES = {
@@ -29,21 +30,6 @@ SHAPES = {
 }
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
-
-
-def timed(fn: Any, steps: int = 20, warmup: int = 5) -> float:
-    """Median seconds of ``fn()`` on the GPU."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 def row(shape: Any, backend: str, gqa: bool, reference: Dict[str, torch.Tensor]) -> Dict[str, Any]:
@@ -69,12 +55,13 @@ def row(shape: Any, backend: str, gqa: bool, reference: Dict[str, torch.Tensor])
     key = f"{gqa}"
     reference.setdefault(key, out.detach())
     diff = (out.detach().float() - reference[key].float()).abs().max().item()
-    forward_s = timed(call)
+    forward_ms, _ = measure(call, warmup=5, repeat=20)
 
     def both() -> None:
         call().backward(grad)
 
-    total_s = timed(both)
+    total_ms, _ = measure(both, warmup=5, repeat=20)
+    forward_s, total_s = forward_ms / 1e3, total_ms / 1e3
     # Causal: half the score matrix; 2 matmuls of 2 FLOPs per multiply-add forward, 2.5x that backward.
     flops = 2 * 2 * batch * heads * seq * seq * size / 2 * 3.5
     return dict(backend=backend, gqa=gqa, forward_ms=round(forward_s * 1e3, 3), fwd_bwd_ms=round(total_s * 1e3, 3),
