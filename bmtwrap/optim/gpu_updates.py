@@ -65,19 +65,19 @@ class GpuUpdates:
         """Update every ``(param, state, hyper)`` of ``work``; ``priority`` orders them as the next forward reads
         them, and ``buffer_of(param)`` is the engine buffer whose gather must wait for ``param``'s update (or
         ``None``)."""
-        if not work:
-            return
-        device = work[0][0].device
-        if device.type != "cuda" or not BESIDE_FORWARD:
-            for item in work:
+        beside = [item for item in work if item[0].is_cuda] if BESIDE_FORWARD else []
+        for item in work:
+            if not item[0].is_cuda or not BESIDE_FORWARD:
                 _update_in_place(*item)
+        if not beside:
             return
+        device = beside[0][0].device
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
         stream, current = self._stream, torch.cuda.current_stream(device)
         stream.wait_stream(current)  # the gradients are final
         by_buffer: Dict[int, Tuple[Any, List[Work]]] = {}
-        for item in sorted(work, key=lambda item: priority[id(item[0])]):
+        for item in sorted(beside, key=lambda item: priority[id(item[0])]):
             buffer = buffer_of(item[0])
             by_buffer.setdefault(id(buffer), (buffer, []))[1].append(item)
         with torch.cuda.stream(stream):
