@@ -133,6 +133,19 @@ class _ReduceScatterRows(torch.autograd.Function):
         return _gather(grad, 0)
 
 
+class _OwnRows(torch.autograd.Function):
+    """whole -> this rank's rows, the rest computed by the other ranks; backward gathers the rows' gradients into
+    the whole's (each rank's rows went through its own computation only)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return _own(x, 0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return _gather(grad.contiguous(), 0)
+
+
 class _AllReduceWhole(torch.autograd.Function):
     """partial sums -> whole (the group's sum); the whole's gradient is the true one on every rank."""
 
@@ -187,6 +200,12 @@ def gather_rows_split_columns(x: torch.Tensor) -> torch.Tensor:
 def reduce_scatter_rows(x: torch.Tensor) -> torch.Tensor:
     """This rank's rows of the group's sum of ``x`` (partial sums -> rows)."""
     return _ReduceScatterRows.apply(x)
+
+
+def own_rows(x: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a whole ``x`` (the rows must divide among the group), for work split by rows; the
+    whole's gradient is the rows' gradients gathered."""
+    return _OwnRows.apply(x)
 
 
 def all_reduce_whole(x: torch.Tensor) -> torch.Tensor:

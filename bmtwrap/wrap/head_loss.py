@@ -20,6 +20,13 @@ padded with ``ignore_index`` (or ``shift_labels`` as given), the mean over the c
 the sum divided by ``num_items_in_batch`` when the caller (the Trainer) passes it. One difference:
 when every label is ignored the loss is 0, not transformers' NaN.
 
+Under tensor parallelism (``wrap(tp_size=T)``) every rank of a group holds the group's whole batch and
+the whole head (the plan keeps the LM head whole); rather than each computing the same loss, each
+computes the sum over its ``1/T`` of the rows (``tp.own_rows``, whose backward gathers the rows'
+gradients), the group adds the sums, and the head's gradient is summed over the group (``tp.copy_whole``):
+the same loss and gradients, a ``T``-th of the work each (rows that do not divide by ``T``: the whole on
+every rank, as before).
+
 Only models known to feed the projection's output straight into ``ForCausalLMLoss`` take this
 path (``FUSED_MODEL_TYPES``, and a forward defined by transformers itself, not a subclass's);
 others, calls in evaluation mode or without gradients (``generate``), ``wrap(keep_logits=True)``,
@@ -39,6 +46,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..engine import dist as _dist
+from ..engine import tp
+from ..engine.schedule import engine
 from ..loss import linear_cross_entropy
 from .instance_forward import replace_forward
 
@@ -71,6 +81,8 @@ class _HeadLoss:
         self.head = head
         self.softcap = getattr(hf.config, "final_logit_softcapping", None)
         self.pending: List[Optional[_Pending]] = []  # per call of hf.forward, innermost last
+        # Under tensor parallelism with the head whole, each rank of a group computes its rows' share of the loss.
+        self.tp_group_splits = _whole_head_in_tp_group(head)
 
     def before(self, module: nn.Module, args: Tuple[Any, ...],
                kwargs: Dict[str, Any]) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]:
@@ -117,11 +129,31 @@ class _HeadLoss:
             raise ValueError(f"labels hold {targets.shape[0]} tokens but the model's last hidden state "
                              f"{flat.shape[0]}: give labels the shape of input_ids")
         total = pending.num_items_in_batch
-        loss = linear_cross_entropy(flat, self.head.weight, targets, ignore_index=pending.ignore_index,
-                                    reduction="mean" if total is None else "sum", softcap=self.softcap)
+        if self.tp_group_splits and flat.shape[0] % _dist.current().tp_size == 0:
+            # Every rank of a tensor-parallel group holds the group's whole batch and the whole head: each
+            # computes its rows' share of the sum, and the group adds them (see [Note: the loss without the
+            # logits]).
+            counted = (targets != pending.ignore_index).sum() if total is None else None
+            loss = linear_cross_entropy(tp.own_rows(flat), tp.copy_whole(self.head.weight), tp.own_rows(targets),
+                                        ignore_index=pending.ignore_index, reduction="sum", softcap=self.softcap)
+            loss = tp.all_reduce_whole(loss)
+            total = counted.clamp(min=1) if total is None else total
+        else:
+            loss = linear_cross_entropy(flat, self.head.weight, targets, ignore_index=pending.ignore_index,
+                                        reduction="mean" if total is None else "sum", softcap=self.softcap)
         if total is not None:
             loss = loss / (total.to(loss.device) if torch.is_tensor(total) else total)
         return loss
+
+
+def _whole_head_in_tp_group(head: nn.Linear) -> bool:
+    """Whether the model computes in tensor-parallel groups with ``head`` whole on every rank of a group (the plan
+    kept it whole); asked when the hooks are installed, while ``head.weight`` is the sharded parameter itself."""
+    if not _dist.is_initialized() or _dist.current().tp_size == 1:
+        return False
+    registry = engine().registry
+    return (registry.is_sharded(head.weight)
+            and registry.slot_of(_dist.current(), head.weight)[1].tp_split_dim is None)
 
 
 def _projection(hf: nn.Module) -> Optional[nn.Linear]:

@@ -25,7 +25,8 @@ consecutive ranks, rank ``r`` of the group applies each style as follows:
     colwise_gather_output, colwise_rep, rowwise_rep, rowwise_split_input, replicate
                            kept whole: whole input, whole output, exact. For the LM head
                            (``colwise_gather_output``) that also keeps the logits whole on every rank with
-                           no gather, and lets bmtwrap's loss without the logits read its weight whole.
+                           no gather, and lets bmtwrap's loss without the logits read its weight whole,
+                           each rank of the group taking a share of the rows (see head_loss.py).
                            ZeRO still shards them over the data-parallel ranks.
 
 Any other style (packed or expert weights, sequence parallelism) raises ``NotImplementedError``
