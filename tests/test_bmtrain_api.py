@@ -66,6 +66,15 @@ def test_bmt_nn_linear(results):
     assert r["repr"] == "Linear(in_features=6, out_features=5, bias=True)"
 
 
+def test_block_parameters_are_the_inner_modules(results):
+    world, r = case(results, "block_is_a_view")
+    state = r.pop("state")
+    grad = r.pop("grad_max_abs")
+    assert all(r.values()), f"world {world}: {r}"
+    assert state == FULL, f"world {world}: {state}"
+    assert grad <= 1e-5, f"world {world}: gradients differ by {grad:.3g}"
+
+
 def test_inspect_model_matches_the_unwrapped_model(results):
     world, r = case(results, "inspect_stats")
     assert r["names"] == r["ref_names"]
