@@ -89,6 +89,14 @@ def test_record_tensor_summarises_every_rank(results):
     assert max(r["max_err"], r["min_err"], r["mean_err"]) <= 1e-6 and r["grad_mean"] == 1.0, f"world {world}: {r}"
 
 
+def test_inspector_summary_holds_the_recorded_tensors(results):
+    world, r = case(results, "record_tensor_summary")
+    share = 6 // world
+    assert r["empty_inside"], "inspector.summary is filled when the `with` ends, as in BMTrain"
+    assert r["records"] == [["hidden", "0.hidden", None, [share, 4], True], ["hidden", "1.hidden", None, [share, 4], True]]
+    assert r["tensor_grad_err"] <= 1e-5, f"world {world}: a loss of summary tensors gives wrong gradients: {r}"
+
+
 def test_helpers(results):
     world, r = case(results, "helpers")
     assert r["gather_equal"] and r["gather_cpu"] and r["slice_equal"], r

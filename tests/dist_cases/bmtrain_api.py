@@ -341,9 +341,24 @@ def record_tensor_summary() -> Dict[str, Any]:
         block(x[bmt.rank() * share : (bmt.rank() + 1) * share]).sum().backward()
     summary = inspector.get_summary()
     y = ref(x)
+    # BMTrain's inspector.summary: the recorded tensors themselves, a loss built from them back-propagates.
+    block = bmt.Block(copy.deepcopy(ref))
+    weight = torch.randn(6, 4, generator=torch.Generator().manual_seed(10))
+    mine = slice(bmt.rank() * share, (bmt.rank() + 1) * share)
+    with bmt.inspect.inspect_tensor() as recording:
+        block(x[mine])
+        block(x[mine])
+        empty_inside = recording.summary == []
+    records = recording.summary
+    (records[1]["tensor"] * weight[mine]).sum().backward()
+    (ref.lin(x) * weight).sum().div(bmt.world_size()).backward()  # ranks average their gradients
+    grad_err = (bmt.full_grad_dict(block)["lin.weight"] - ref.lin.weight.grad).abs().max().item()
     return {"names": [s["name"] for s in summary], "shape": list(summary[0]["shape"]),
             "max_err": abs(summary[0]["max"] - y.max().item()), "min_err": abs(summary[0]["min"] - y.min().item()),
-            "mean_err": abs(summary[0]["mean"] - y.mean().item()), "grad_mean": summary[0]["grad_mean"]}
+            "mean_err": abs(summary[0]["mean"] - y.mean().item()), "grad_mean": summary[0]["grad_mean"],
+            "records": [(r["name"], r["summary_name"], r["group"], list(r["shape"]), r["requires_grad"])
+                        for r in records],
+            "empty_inside": empty_inside, "tensor_grad_err": grad_err}
 
 
 # --- helpers -----------------------------------------------------------------------------------
