@@ -66,6 +66,15 @@ def test_bmt_nn_linear(results):
     assert r["repr"] == "Linear(in_features=6, out_features=5, bias=True)"
 
 
+def test_block_parameters_are_the_inner_modules(results):
+    world, r = case(results, "block_is_a_view")
+    state = r.pop("state")
+    grad = r.pop("grad_max_abs")
+    assert all(r.values()), f"world {world}: {r}"
+    assert state == FULL, f"world {world}: {state}"
+    assert grad <= 1e-5, f"world {world}: gradients differ by {grad:.3g}"
+
+
 def test_inspect_model_matches_the_unwrapped_model(results):
     world, r = case(results, "inspect_stats")
     assert r["names"] == r["ref_names"]
@@ -78,6 +87,14 @@ def test_record_tensor_summarises_every_rank(results):
     world, r = case(results, "record_tensor_summary")
     assert r["names"] == ["hidden"] and r["shape"] == [6, 4], r
     assert max(r["max_err"], r["min_err"], r["mean_err"]) <= 1e-6 and r["grad_mean"] == 1.0, f"world {world}: {r}"
+
+
+def test_inspector_summary_holds_the_recorded_tensors(results):
+    world, r = case(results, "record_tensor_summary")
+    share = 6 // world
+    assert r["empty_inside"], "inspector.summary is filled when the `with` ends, as in BMTrain"
+    assert r["records"] == [["hidden", "0.hidden", None, [share, 4], True], ["hidden", "1.hidden", None, [share, 4], True]]
+    assert r["tensor_grad_err"] <= 1e-5, f"world {world}: a loss of summary tensors gives wrong gradients: {r}"
 
 
 def test_helpers(results):

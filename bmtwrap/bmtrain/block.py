@@ -2,9 +2,18 @@
 
 The engine's side (gather, prefetch, checkpointing, gradient reduction) is
 :class:`~bmtwrap.engine.runners.BlockRunner` (see [Note: block lifetime in a step] in runners.py); this
-file adds what BMTrain programs see: a module holding the wrapped one, a name per block,
-state-dict keys without the ``_module.`` level, attributes read through to the inner module, and
-BMTrain's sharing rules.
+file adds what BMTrain programs see: a module standing for the wrapped one, a name per block,
+attributes read through to the inner module, and BMTrain's sharing rules.
+
+[Note: a block is a view of its module]
+As in BMTrain, a block shares its inner module's ``_parameters``, ``_buffers`` and ``_modules``
+dicts (the same dict objects, not copies): ``block._parameters["weight"]`` is the inner module's
+weight, and ``named_parameters()``, ``state_dict()``, ``.to()``/``.half()`` and ``load_state_dict``
+see the inner module's tree with no ``_module.`` level, so each parameter is reached once. The
+inner module itself is held in the block's ``__dict__`` (``block._module``), not among the
+modules torch walks: ``block.modules()`` lists the block, then the inner module's submodules.
+The inner module's own ``_save_to_state_dict``/``_load_from_state_dict`` (and extra state) do
+the block's, and ``train()`` reaches it.
 
 [Note: blocks that share a runner]
 One runner (one group of parameters) may serve several ``Block`` objects, as BMTrain's reference
@@ -21,7 +30,7 @@ wrapping is undone and the block shards those parameters itself.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -36,22 +45,6 @@ __all__ = ["Block", "BlockSharingError", "CheckpointBlock"]
 
 def _unique_name(module: nn.Module) -> str:
     return f"{type(module).__name__}#{engine().next_block_number()}"
-
-
-def _strip_module_prefix(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    inner = prefix + "_module."
-    for key in [k for k in state_dict if k.startswith(inner)]:
-        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
-
-
-def _inner_named_parameters(block: nn.Module, prefix: str) -> Any:
-    return block._module.named_parameters(prefix=prefix, remove_duplicate=False)
-
-
-def _add_module_prefix(module: nn.Module, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
-    inner = prefix + "_module."
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
-        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
 
 
 class BlockSharingError(ValueError, AssertionError):
@@ -87,8 +80,10 @@ class Block(BlockModule):
         offload_params: keep this block's parameter shards (and their gradients) in pinned CPU
             memory; the GPU holds them only while the block is gathered (see :func:`bmtwrap.wrap`).
 
-    State dict keys are the inner module's, without a ``_module.`` level, and its values are
-    full-shaped CPU tensors, as in BMTrain: ``state_dict()`` is a collective that gathers the block
+    The block stands for its inner module, as in BMTrain: ``block._parameters``, ``_buffers`` and
+    ``_modules`` are the inner module's own dicts, so parameter names and state dict keys are the
+    inner module's, with no ``_module.`` level (see [Note: a block is a view of its module]); the
+    inner module is ``block._module``. State dict values are full-shaped CPU tensors: ``state_dict()`` is a collective that gathers the block
     (``keep_vars=True`` gives the sharded parameters themselves). ``load_state_dict`` accepts
     full-shaped tensors or this rank's pieces.
 
@@ -117,7 +112,7 @@ class Block(BlockModule):
             raise ValueError(f"Block mode must be 'BLOCK' or 'PIPE', got {mode!r}")
         del initialized  # see the docstring
         super().__init__()
-        self._module = inner_module
+        self._view(inner_module)
         self._mode = mode
         eng = engine()
         # A model wrapped on its own (BMTrainModelWrapper) inside: its parameters join this block.
@@ -134,23 +129,34 @@ class Block(BlockModule):
             self._calls_module = False
         self._setup()
 
+    def _view(self, inner_module: nn.Module) -> None:
+        """Stand for ``inner_module``: share its dicts of parameters, buffers and submodules (see
+        [Note: a block is a view of its module])."""
+        object.__setattr__(self, "_module", inner_module)
+        for name in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
+            object.__setattr__(self, name, getattr(inner_module, name))
+
     def _setup(self) -> None:
         self._owner_list: Optional["weakref.ref[nn.Module]"] = None  # the TransformerBlockList holding it
-        self.register_state_dict_post_hook(_strip_module_prefix)
-        register_full_state_dict(self, _inner_named_parameters)  # after the keys lose "_module."
-        self.register_load_state_dict_pre_hook(_add_module_prefix)  # must run before the next one
+        register_full_state_dict(self)
         self.register_load_state_dict_pre_hook(shard_full_tensors)
 
     def _sharing(self) -> "Block":
         """A second block over the same module and runner (a module listed twice in a block list)."""
         twin = Block.__new__(Block)
         BlockModule.__init__(twin)
-        twin._module = self._module
+        twin._view(self._module)
         twin._mode = self._mode
         twin._runner = self._runner
         twin._calls_module = self._calls_module
         twin._setup()
         return twin
+
+    def train(self, mode: bool = True) -> "Block":
+        """Set training mode on the block and its inner module (which ``children()`` does not list)."""
+        self._module.train(mode)
+        self.training = mode
+        return self
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -252,6 +252,48 @@ def bmt_nn_linear() -> Dict[str, Any]:
             "repr": repr(layer)}
 
 
+class DirectAndChild(nn.Module):
+    """Parameters of its own (as bmt.nn's parallel linears have), a buffer, and a submodule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+        self.bias = nn.Parameter(torch.randn(4))
+        self.register_buffer("scale", torch.full((4,), 0.5))
+        self.proj = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.linear(x, self.weight, self.bias) * self.scale)
+
+
+def block_is_a_view() -> Dict[str, Any]:
+    """A Block stands for its inner module, as BMTrain's does: ``block._parameters`` is the inner module's dict,
+    names and state dict keys are the unwrapped module's, and each parameter is reached once."""
+    torch.manual_seed(13)
+    ref = DirectAndChild()
+    block = bmt.Block(copy.deepcopy(ref))
+    outer, outer_ref = nn.Sequential(block), nn.Sequential(ref)
+    seen: List[int] = []
+    block._apply(lambda t: seen.append(id(t)) or t)  # before backward: 4 parameters and the buffer, no grads
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(14))
+    block(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    grads = bmt.full_grad_dict(block)
+    block.eval()
+    eval_reaches_inner = not block._module.training and not block._module.proj.training
+    block.train()
+    return {"same_dict": block._parameters is block._module._parameters,
+            "weight_is_inner": block._parameters["weight"] is block._module.weight,
+            "weight_grad_is_shard": block._parameters["weight"].grad is not None
+            and block._parameters["weight"].grad.shape == block._module.weight.shape,
+            "names": [n for n, _ in block.named_parameters()] == [n for n, _ in ref.named_parameters()],
+            "outer_names": [n for n, _ in outer.named_parameters()] == [n for n, _ in outer_ref.named_parameters()],
+            "state": compare_state(outer.state_dict(), outer_ref.state_dict()),
+            "grad_max_abs": max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters()),
+            "applied_once": len(seen) == len(set(seen)) == 5,
+            "eval_reaches_inner": eval_reaches_inner and block._module.training}
+
+
 def inspect_stats() -> Dict[str, Any]:
     ref, model = gpt_pair(13)
     data = torch.randint(0, 64, (6, 17), generator=torch.Generator().manual_seed(8))
@@ -299,9 +341,24 @@ def record_tensor_summary() -> Dict[str, Any]:
         block(x[bmt.rank() * share : (bmt.rank() + 1) * share]).sum().backward()
     summary = inspector.get_summary()
     y = ref(x)
+    # BMTrain's inspector.summary: the recorded tensors themselves, a loss built from them back-propagates.
+    block = bmt.Block(copy.deepcopy(ref))
+    weight = torch.randn(6, 4, generator=torch.Generator().manual_seed(10))
+    mine = slice(bmt.rank() * share, (bmt.rank() + 1) * share)
+    with bmt.inspect.inspect_tensor() as recording:
+        block(x[mine])
+        block(x[mine])
+        empty_inside = recording.summary == []
+    records = recording.summary
+    (records[1]["tensor"] * weight[mine]).sum().backward()
+    (ref.lin(x) * weight).sum().div(bmt.world_size()).backward()  # ranks average their gradients
+    grad_err = (bmt.full_grad_dict(block)["lin.weight"] - ref.lin.weight.grad).abs().max().item()
     return {"names": [s["name"] for s in summary], "shape": list(summary[0]["shape"]),
             "max_err": abs(summary[0]["max"] - y.max().item()), "min_err": abs(summary[0]["min"] - y.min().item()),
-            "mean_err": abs(summary[0]["mean"] - y.mean().item()), "grad_mean": summary[0]["grad_mean"]}
+            "mean_err": abs(summary[0]["mean"] - y.mean().item()), "grad_mean": summary[0]["grad_mean"],
+            "records": [(r["name"], r["summary_name"], r["group"], list(r["shape"]), r["requires_grad"])
+                        for r in records],
+            "empty_inside": empty_inside, "tensor_grad_err": grad_err}
 
 
 # --- helpers -----------------------------------------------------------------------------------
@@ -432,6 +489,7 @@ if __name__ == "__main__":
         "adopted_blocks": adopted_blocks,
         "frozen_then_trained": frozen_then_trained,
         "bmt_nn_linear": bmt_nn_linear,
+        "block_is_a_view": block_is_a_view,
         "inspect_stats": inspect_stats,
         "record_tensor_summary": record_tensor_summary,
         "helpers": helpers,

@@ -52,6 +52,14 @@ def _reduced_stats(x: torch.Tensor) -> Dict[str, float]:
 class InspectTensor:
     """What ``with inspect_tensor() as inspector`` gives: the tensors recorded inside the ``with``.
 
+    Attributes:
+        summary: BMTrain's list of the records, filled when the ``with`` ends (empty before): one
+            dict per :func:`record_tensor` call, in call order, with keys ``name`` (as given),
+            ``summary_name`` (the name :meth:`get_summary` shows), ``group``, ``shape`` (this
+            rank's), ``requires_grad`` (whether its gradient is recorded) and ``tensor`` (the
+            recorded tensor itself, still in the autograd graph: a loss built from it
+            back-propagates into the model). Its statistics are :meth:`get_summary`'s.
+
     Example::
 
         with bmt.inspect.inspect_tensor() as inspector:
@@ -63,6 +71,7 @@ class InspectTensor:
     def __init__(self) -> None:
         self._records: List[_Record] = []
         self._entered = False
+        self.summary: List[Dict[str, Any]] = []
 
     def __enter__(self) -> "InspectTensor":
         ctx = _dist.current()
@@ -76,7 +85,12 @@ class InspectTensor:
 
     def __exit__(self, *exc: Any) -> None:
         _dist.current().inspector = None
+        given_names = [record.name for record in self._records]
         self._name_records()
+        self.summary = [{"name": given, "summary_name": record.name, "group": record.group,
+                         "shape": tuple(record.tensor.shape), "requires_grad": record.requires_grad,
+                         "tensor": record.tensor}
+                        for given, record in zip(given_names, self._records)]
         # Tensors without gradients are summarised now; the others after backward, in get_summary.
         for record in self._records:
             if not record.requires_grad:
