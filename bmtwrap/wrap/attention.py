@@ -6,7 +6,7 @@ calls, transformers' default) picks the first backend in torch's priority order 
 flash attention, then memory-efficient, math, and cuDNN last. On Hopper cards (compute capability 9.0)
 cuDNN's fused attention is the faster one for training shapes (causal, bf16, head size 64 or 128, grouped
 key/value heads): 1.6x to 1.8x flash attention's speed forward and backward on an H200 (``benchmarks/
-attention_backends.py``; the figures are in ``benchmarks/RESULTS.md``, "Attention kernels"). A compiled
+attention_backends.py``; the figures are in ``benchmarks/RESULTS.md``, "Two H200s"). A compiled
 block already gets it there: torch's compiler chose cuDNN's kernels under either order in the same
 measurement (torch 2.11), so the 8B step is the same with and without this. A block run eagerly
 (``wrap(compile=False)``, or one that did not compile) would take flash attention; so each block's
