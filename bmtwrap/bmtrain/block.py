@@ -83,8 +83,9 @@ class Block(BlockModule):
     The block stands for its inner module, as in BMTrain: ``block._parameters``, ``_buffers`` and
     ``_modules`` are the inner module's own dicts, so parameter names and state dict keys are the
     inner module's, with no ``_module.`` level (see [Note: a block is a view of its module]); the
-    inner module is ``block._module``. State dict values are full-shaped CPU tensors: ``state_dict()`` is a collective that gathers the block
-    (``keep_vars=True`` gives the sharded parameters themselves). ``load_state_dict`` accepts
+    inner module is ``block._module``. State dict values are full-shaped CPU tensors:
+    ``state_dict()`` is a collective that gathers the block (``keep_vars=True`` gives the sharded
+    parameters themselves). ``load_state_dict`` accepts
     full-shaped tensors or this rank's pieces.
 
     Raises:
