@@ -48,8 +48,8 @@ import torch.distributed as dist
 
 from . import dist as _dist
 
-__all__ = ["TpLayout", "all_reduce_whole", "copy_whole", "gather_along", "gather_columns", "gather_rows", "gather_rows_split_columns",
-           "parallel_cross_entropy", "reduce_scatter_rows"]
+__all__ = ["TpLayout", "all_reduce_whole", "copy_whole", "gather_along", "gather_columns", "gather_rows",
+           "gather_rows_split_columns", "own_rows", "parallel_cross_entropy", "reduce_scatter_rows"]
 
 
 class TpLayout(enum.Enum):
