@@ -143,7 +143,7 @@ class _OwnRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return _gather(grad.contiguous(), 0)
+        return _gather(grad, 0)
 
 
 class _AllReduceWhole(torch.autograd.Function):

@@ -50,9 +50,6 @@ class StreamWrite:
         self._event = event
         self._device = device
 
-    def done(self) -> bool:
-        return bool(self._event.query())
-
     def wait(self) -> None:
         torch.cuda.current_stream(self._device).wait_event(self._event)
 
@@ -67,9 +64,9 @@ class GpuUpdates:
         """Update every ``(param, state, hyper)`` of ``work``; ``priority`` orders them as the next forward reads
         them, and ``buffer_of(param)`` is the engine buffer whose gather must wait for ``param``'s update (or
         ``None``)."""
-        beside = [item for item in work if item[0].is_cuda] if BESIDE_FORWARD else []
+        beside = [item for item in work if BESIDE_FORWARD and item[0].is_cuda]
         for item in work:
-            if not item[0].is_cuda or not BESIDE_FORWARD:
+            if not (BESIDE_FORWARD and item[0].is_cuda):
                 _update_in_place(*item)
         if not beside:
             return
