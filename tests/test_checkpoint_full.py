@@ -99,10 +99,26 @@ def test_failed_load_raises_on_every_rank_and_changes_nothing(saved):
     assert r["unchanged"], "a failed load changed the model"
 
 
+def test_save_without_gathering_writes_each_ranks_pieces(saved):
+    assert _case(saved, "save_gpt")["pieces_is_a_folder"]  # loaded at every world size below
+
+
+def test_clean_removes_what_save_wrote_and_nothing_else(saved):
+    r = _case(saved, "clean")
+    assert r["clean_me.pt"] == [True, False] and r["clean_me_pieces"] == [True, False]
+    assert r["unrelated"][0].startswith("ValueError: ") and "is a folder without index.json" in r["unrelated"][0]
+    assert all(other.startswith("RuntimeError: removing ") and "rank 0 raised ValueError" in other
+               for other in r["unrelated"][1:]), r["unrelated"]
+    assert r["unrelated_kept"]
+    assert r["missing"][0].startswith("FileNotFoundError: bmt.clean: nothing at ")
+    assert r["missing"][0].endswith("never_written.pt to remove")
+    assert all(other.startswith("RuntimeError: ") for other in r["missing"][1:]), r["missing"]
+
+
 # --- loading at world sizes 1, 2, 3 -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("suffix", FORMATS)
+@pytest.mark.parametrize("suffix", FORMATS + ["_pieces.pt"])
 def test_gpt_loads_at_any_world_size(loaded, suffix):
     world, results = loaded
     r = _case(results, f"load_gpt{suffix}")

@@ -35,6 +35,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from ..engine.dist import is_initialized
 from ..engine.full_state import register_full_state_dict, shard_full_tensors
 from ..engine.offload import OffloadPolicy
 from ..engine.runners import BlockModule, BlockRunner
@@ -182,5 +183,29 @@ class Block(BlockModule):
         return tuple(out) if isinstance(out, list) else out
 
 
-CheckpointBlock = Block
-"""BMTrain's other name of :class:`Block` (the same class)."""
+def _wrap_made_block(module: Any) -> bool:
+    """Whether :func:`bmtwrap.wrap` made ``module`` a block: calling it runs it through its runner."""
+    if not isinstance(module, nn.Module):
+        return False
+    runner = engine().block_runner_of(module) if is_initialized() else None
+    return runner is not None and runner is getattr(module.__dict__.get("forward"), "block_runner", None)
+
+
+class _CheckpointBlockType(type):
+    """``isinstance(m, CheckpointBlock)`` is true of a :class:`Block` and of a layer ``wrap`` made a block
+    (see [Note: wrap's layers are checkpoint blocks])."""
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        return type.__instancecheck__(cls, instance) or isinstance(instance, Block) or _wrap_made_block(instance)
+
+
+class CheckpointBlock(Block, metaclass=_CheckpointBlockType):
+    """BMTrain's other name of :class:`Block`: ``CheckpointBlock(m)`` builds a :class:`Block`.
+
+    [Note: wrap's layers are checkpoint blocks]
+    BMTrain's ``BMTrainModelWrapper`` turns each repeated layer into a ``CheckpointBlock``, and its
+    programs check that (``assert isinstance(layer, bmt.CheckpointBlock)``). ``wrap`` (which
+    ``BMTrainModelWrapper`` is) keeps each layer's own class and runs it through a block runner,
+    so ``isinstance(layer, CheckpointBlock)`` is true of such a layer as of a :class:`Block`.
+    ``isinstance(layer, Block)`` stays strict: bmtwrap's own code tells the two apart by it.
+    """

@@ -58,7 +58,9 @@ not check; ``load`` checks them, each rank its share of the records (see [Note: 
 from __future__ import annotations
 
 import contextlib
+import json
 import pickle
+import shutil
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,8 +86,10 @@ from .full_format import (
     _Writer,
 )
 from .io import PathLike, atomic_file, read_flat_range, unwritable
+from .sharded import load_checkpoint, save_checkpoint
+from .sharded_format import INDEX
 
-__all__ = ["load", "load_state_dict", "save"]
+__all__ = ["clean", "load", "load_state_dict", "save"]
 
 _LIST_AT_MOST = 20  # names listed per problem in an error message
 
@@ -381,7 +385,7 @@ class IncompatibleKeys(NamedTuple):
 
 
 @torch.no_grad()
-def load(model: nn.Module, path: PathLike, *, strict: bool = True) -> IncompatibleKeys:
+def load(model: nn.Module, path: PathLike, *, strict: bool = True, load_gather: bool = True) -> IncompatibleKeys:
     """Load a full checkpoint file into a sharded model, at any world size (BMTrain's ``bmt.load``).
 
     Every rank reads only the part of each parameter it owns: ``.safetensors`` files through
@@ -398,6 +402,10 @@ def load(model: nn.Module, path: PathLike, *, strict: bool = True) -> Incompatib
         model: a model sharded by :func:`bmtwrap.wrap` or built from bmtwrap's blocks.
         path: the file.
         strict: whether missing and unexpected keys are errors; shapes are always checked.
+        load_gather: accepted for BMTrain compatibility: what is at ``path`` decides. A file is read
+            as above; a folder written by ``save(..., save_gather=False)`` is read with
+            :func:`~bmtwrap.checkpoint.load_checkpoint` (model only; the RNGs are left alone),
+            at any world size too.
 
     Returns:
         The missing and unexpected keys, as ``load_state_dict`` returns them (both empty when
@@ -411,7 +419,8 @@ def load(model: nn.Module, path: PathLike, *, strict: bool = True) -> Incompatib
         FileNotFoundError: the file does not exist.
         ValueError: the file is truncated or corrupt (bytes that do not match their checksum name
             the tensor), is not a state dict of tensors, or does not fit the model (missing or
-            unexpected keys when ``strict``, shape mismatches, each listed by name).
+            unexpected keys when ``strict``, shape mismatches, each listed by name); ``path`` is a
+            folder that ``save`` did not write.
         OSError: the file cannot be read.
         RuntimeError: another rank failed to read the file (its error is quoted).
 
@@ -419,8 +428,11 @@ def load(model: nn.Module, path: PathLike, *, strict: bool = True) -> Incompatib
 
         bmt.load(model, "model.pt")
     """
+    del load_gather  # see the docstring
     ctx = engine().ctx
     path = Path(path)
+    if path.is_dir():
+        return _load_folder(model, path, strict)
     expected: Dict[str, torch.Tensor] = model.state_dict(keep_vars=True)
     with contextlib.ExitStack() as stack:
         failure: Optional[BaseException] = None
@@ -438,6 +450,18 @@ def load(model: nn.Module, path: PathLike, *, strict: bool = True) -> Incompatib
         _copy_into(expected, source, reads)
     restore_buffers(model)
     return IncompatibleKeys(sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected)))
+
+
+def _load_folder(model: nn.Module, folder: Path, strict: bool) -> IncompatibleKeys:
+    """``load`` of a folder: a sharded checkpoint of the model alone (``save(..., save_gather=False)``)."""
+    if not (folder / INDEX).is_file():
+        raise ValueError(f"{folder} is a folder without {INDEX}; bmtwrap.load reads one file written by bmtwrap.save, "
+                         "torch.save or safetensors, or a folder written by bmtwrap.save(..., save_gather=False)")
+    load_checkpoint(folder, model, strict=strict, restore_rng=False)
+    with open(folder / INDEX, encoding="utf-8") as f:
+        saved = set(json.load(f)["model"])
+    expected = set(model.state_dict(keep_vars=True))
+    return IncompatibleKeys(sorted(expected - saved), sorted(saved - expected))
 
 
 # --- saving: what to write, in which order --------------------------------------------------------
@@ -510,7 +534,7 @@ def _host_values(units: Sequence[_Unit], ctx: DistContext,
 
 
 @torch.no_grad()
-def save(model: nn.Module, path: PathLike, *, non_blocking: bool = False) -> None:
+def save(model: nn.Module, path: PathLike, *, non_blocking: bool = False, save_gather: bool = True) -> None:
     """Write the model's full state to one file, as the unwrapped model's ``state_dict()`` (BMTrain's ``bmt.save``).
 
     The file holds exactly the unwrapped model's keys: every parameter at its full shape and the
@@ -535,6 +559,11 @@ def save(model: nn.Module, path: PathLike, *, non_blocking: bool = False) -> Non
             BMTrain's asynchronous save keeps a full host copy of the model on rank 0 for a
             writer thread, which is the memory this function avoids; here the file is complete
             and on disk when ``save`` returns.
+        save_gather: ``True`` (BMTrain's default) writes the one file above. ``False`` gathers
+            nothing: each rank writes its own pieces, and ``path`` becomes a folder holding a
+            sharded checkpoint of the model alone (:func:`~bmtwrap.checkpoint.save_checkpoint`'s
+            format; not with tensor or pipeline parallelism). :func:`load` reads either, at any
+            world size, and :func:`clean` removes either.
 
     Raises:
         RuntimeError: the file cannot be written (its folder is not writable, the disk is full),
@@ -547,6 +576,9 @@ def save(model: nn.Module, path: PathLike, *, non_blocking: bool = False) -> Non
         bmt.save(model, "model.safetensors")   # or "model.pt"
     """
     del non_blocking  # see the docstring: always synchronous
+    if not save_gather:
+        save_checkpoint(path, model)
+        return
     ctx = engine().ctx
     path = Path(path)
     entries, units = _plan_save(model)
@@ -591,3 +623,43 @@ def save(model: nn.Module, path: PathLike, *, non_blocking: bool = False) -> Non
 def _unwritable(path: Path, err: BaseException) -> RuntimeError:
     return unwritable(str(path), err, "rank 0 writes the file: give a path in a folder it can create and write, on a "
                       "disk with room for the model; the previous file at that path, if any, is unchanged")
+
+
+def clean(path: PathLike) -> None:
+    """Remove what :func:`save` wrote at ``path``: its file, or its ``save_gather=False`` folder (BMTrain's ``bmt.clean``).
+
+    A collective: every rank calls it; rank 0 removes, and every rank returns once it is gone. A
+    folder is removed only if it holds a sharded checkpoint (its ``index.json``), so a wrong path
+    cannot empty an unrelated folder.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``, on every rank.
+        ValueError: ``path`` is a folder without ``index.json``, on every rank (nothing is removed).
+        RuntimeError: rank 0 could not remove it (the system's reason quoted), on every rank.
+
+    Example::
+
+        bmt.save(model, "step100.pt")
+        bmt.clean("step100.pt")
+    """
+    ctx = engine().ctx
+    path = Path(path)
+    failure: Optional[BaseException] = None
+    if ctx.rank == 0:
+        try:
+            if path.is_dir():
+                if not (path / INDEX).is_file():
+                    raise ValueError(f"{path} is a folder without {INDEX}, not one bmt.save wrote; nothing was removed")
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+            else:
+                raise FileNotFoundError(f"bmt.clean: nothing at {path} to remove")
+        except FileNotFoundError as err:
+            failure = err
+        except OSError as err:
+            failure = RuntimeError(f"cannot remove {path} ({type(err).__name__}: {err}); rank 0 removes it: check "
+                                   "the permissions of it and of its folder")
+        except ValueError as err:
+            failure = err
+    _agree(ctx, failure, f"removing {path}")

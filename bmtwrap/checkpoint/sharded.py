@@ -504,7 +504,7 @@ def _load_model(index: Dict[str, Any], reader: _ShardReader, model: nn.Module, t
 
 
 def load_checkpoint(folder: PathLike, model: nn.Module, optimizer: OptimizerArg = None, lr_scheduler: Any = None,
-                    *, strict: bool = True) -> CheckpointInfo:
+                    *, strict: bool = True, restore_rng: bool = True) -> CheckpointInfo:
     """Load a checkpoint written by :func:`save_checkpoint`, at this or any other world size.
 
     A collective: every rank calls it with the same arguments. Each rank computes the flat range
@@ -531,6 +531,8 @@ def load_checkpoint(folder: PathLike, model: nn.Module, optimizer: OptimizerArg 
         lr_scheduler: as for :func:`save_checkpoint`; ``None`` skips the saved schedulers.
         strict: missing or unexpected model keys are errors; with ``False`` the keys both have
             are loaded (shapes must still match).
+        restore_rng: restore the RNG states the checkpoint holds (above); ``False`` leaves this
+            process's RNGs as they are (``bmt.load`` of a folder, which loads a model only).
 
     Returns:
         A :class:`CheckpointInfo` with the saved ``step`` and ``extra``.
@@ -581,6 +583,7 @@ def load_checkpoint(folder: PathLike, model: nn.Module, optimizer: OptimizerArg 
                 opt.load_state_dict(state)
         for scheduler, state in zip(schedulers, index["lr_schedulers"]):
             scheduler.load_state_dict(state)
-        _restore_rng(index, reader, ctx)
+        if restore_rng:
+            _restore_rng(index, reader, ctx)
     return CheckpointInfo(step=index["step"], extra=index["extra"], world_size=index["world_size"],
                           tag=index["tag"], shard_size=index.get("shard_size", index["world_size"]))

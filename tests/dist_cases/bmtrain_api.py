@@ -190,10 +190,14 @@ def adopted_blocks() -> Dict[str, Any]:
     torch.manual_seed(9)
     ref = GPT(layers=3)
     model = bmt.BMTrainModelWrapper(copy.deepcopy(ref))
+    checks = {"layers_are_checkpoint_blocks": all(isinstance(layer, bmt.CheckpointBlock) for layer in model.layers),
+              "layers_are_not_blocks": not any(isinstance(layer, bmt.Block) for layer in model.layers),
+              "others_are_not": not any(isinstance(m, bmt.CheckpointBlock) for m in (model, model.layers))}
     model.layers = bmt.TransformerBlockList([layer for layer in model.layers])
     data = torch.randint(0, 64, (6, 17), generator=torch.Generator().manual_seed(4))
     out = train_pair(ref, model, lambda m, ids: m.loss(ids), data)
     out["runners_shared"] = all(block.runner is engine().block_runner_of(block._module) for block in model.layers)
+    out["checkpoint_block_checks"] = {**checks, "blocks_are": all(isinstance(b, bmt.CheckpointBlock) for b in model.layers)}
     return out
 
 

@@ -96,8 +96,28 @@ def save_gpt() -> Dict[str, Any]:
             plain = read_plain(FOLDER / f"gpt{suffix}")
             out[suffix] = {"equal": equal(plain, saved),
                            "keys": list(plain) == keys if suffix == ".pt" else sorted(plain) == sorted(keys)}
+    bmt.save(model, FOLDER / "gpt_pieces.pt", save_gather=False)  # BMTrain's name; a folder of each rank's pieces
+    out["pieces_is_a_folder"] = (FOLDER / "gpt_pieces.pt" / "index.json").is_file()
     if bmt.rank() == 0:
         torch.save(saved, FOLDER / "gpt_reference.pt")
+    return out
+
+
+def clean() -> Dict[str, Any]:
+    """bmt.clean removes a file or a save_gather=False folder; refuses an unrelated folder and a missing path."""
+    model = gpt(5)
+    out: Dict[str, Any] = {}
+    for name, gather in (("clean_me.pt", True), ("clean_me_pieces", False)):
+        bmt.save(model, FOLDER / name, save_gather=gather)
+        existed = (FOLDER / name).exists()
+        bmt.clean(FOLDER / name)
+        out[name] = [existed, (FOLDER / name).exists()]
+    (FOLDER / "unrelated").mkdir(exist_ok=True)
+    (FOLDER / "unrelated" / "keep.txt").write_text("mine")
+    bmt.synchronize()
+    out["unrelated"] = all_ranks(outcome(lambda: bmt.clean(FOLDER / "unrelated")))
+    out["unrelated_kept"] = (FOLDER / "unrelated" / "keep.txt").is_file()
+    out["missing"] = all_ranks(outcome(lambda: bmt.clean(FOLDER / "never_written.pt")))
     return out
 
 
@@ -284,8 +304,8 @@ if __name__ == "__main__":
         save_loop(FOLDER)
     elif MODE == "save":
         run({"save_gpt": save_gpt, "save_llama": save_llama, "one_buffer_at_a_time": one_buffer_at_a_time,
-             "save_errors": save_errors})
+             "save_errors": save_errors, "clean": clean})
     else:
-        run({**{f"load_gpt{s}": (lambda s=s: load_gpt(s)) for s in FORMATS},
+        run({**{f"load_gpt{s}": (lambda s=s: load_gpt(s)) for s in FORMATS + ("_pieces.pt",)},
              **{f"load_llama{s}": (lambda s=s: load_llama(f"llama{s}")) for s in FORMATS},
              "load_llama_plain_torch_save": lambda: load_llama("llama_plain.pt")})

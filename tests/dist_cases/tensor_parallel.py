@@ -118,6 +118,13 @@ def embedding_and_loss() -> Dict[str, Any]:
     F.cross_entropy(ref_logits.view(-1, V), target).backward()
     found["vp_projection"] = [diff(logits, mine(ref_logits, -1)), diff(hw.grad, hf.grad),
                               diff(grads(head)["weight"], ref.weight.grad)]
+    whole = bmt.nn.Projection(V, H, dtype=torch.float32)  # the vocabulary whole, saved and loaded as a slice
+    whole.load_state_dict({"weight": ref.weight})
+    path = shared_path("projection.pt")
+    bmt.save(whole, path)
+    sliced = bmt.nn.VPProjection(V, H, dtype=torch.float32)
+    bmt.load(sliced, path)
+    found["projection_file"] = [diff(whole(h), F.linear(h, ref.weight)), diff(sliced(h), mine(whole(h), -1))]
     rows = bmt.loss.FusedCrossEntropy(parallel=True, reduction="none")(
         mine(F.linear(h, ref.weight).view(-1, V), -1), target)
     found["none"] = [diff(rows, F.cross_entropy(F.linear(h, ref.weight).view(-1, V), target, reduction="none"))]

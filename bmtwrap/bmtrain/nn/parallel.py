@@ -22,8 +22,8 @@ from ...engine import dist as _dist
 from ...engine import tp as _tp
 from ...engine.param import DistributedParameter
 
-__all__ = ["ColumnParallelLinear", "OpParallelLinear", "ReduceType", "RowParallelLinear", "VPEmbedding",
-           "VPProjection"]
+__all__ = ["ColumnParallelLinear", "OpParallelLinear", "Projection", "ReduceType", "RowParallelLinear",
+           "VPEmbedding", "VPProjection"]
 
 
 def _slice_of(size: int, what: str, name: str) -> int:
@@ -229,6 +229,38 @@ class VPEmbedding(DistributedModule):
         if projection:
             return OpParallelLinear.apply(x, self.weight, None, True)
         return F.embedding(x, _tp.gather_rows(self.weight))
+
+
+class Projection(DistributedModule):
+    """BMTrain's output projection: the logits of the whole vocabulary, ``x Wᵀ`` with ``W`` of shape
+    ``(vocab_size, embedding_size)`` (no tensor parallelism; :class:`VPProjection` is its
+    vocabulary-parallel twin, and loads the same state dict).
+
+    Args:
+        vocab_size: classes.
+        embedding_size: size of each input's last dimension.
+        dtype: the weight's dtype (BMTrain's default, ``torch.half``).
+        init_mean: the mean of the normal distribution ``bmt.init_parameters`` draws the weight from.
+        init_std: its standard deviation.
+
+    Example::
+
+        head = bmt.nn.Projection(32000, 1024, dtype=torch.bfloat16)
+        logits = head(h)                                         # (..., 1024) -> (..., 32000)
+    """
+
+    def __init__(self, vocab_size: int, embedding_size: int, dtype: torch.dtype = torch.half,
+                 init_mean: float = 0.0, init_std: float = 1) -> None:
+        super().__init__()
+        self.dim_model = embedding_size
+        self.vocab_size = vocab_size
+        self.weight = DistributedParameter(
+            torch.empty(vocab_size, embedding_size, dtype=dtype, device="meta"),
+            init_method=ParameterInitializer(torch.nn.init.normal_, mean=init_mean, std=init_std))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits of ``x`` over the whole vocabulary."""
+        return F.linear(x, self.weight)
 
 
 class VPProjection(VPEmbedding):
