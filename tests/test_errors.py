@@ -324,11 +324,10 @@ def test_same_block_object_twice_in_one_list():
         bmt.TransformerBlockList([block, block])
 
 
-def test_pipeline_list_takes_blocks_built_for_it():
-    with pytest.raises(bmt.BlockSharingError, match=r"built with mode='BLOCK'; a PipelineTransformerBlockList"):
-        bmt.PipelineTransformerBlockList([bmt.Block(nn.Linear(2, 2))])
-    blocks = bmt.PipelineTransformerBlockList([bmt.Block(nn.Linear(2, 2), mode="PIPE"), nn.Linear(2, 2)])
-    assert len(blocks) == 2
+def test_pipeline_list_takes_blocks_of_either_mode():
+    blocks = bmt.PipelineTransformerBlockList([bmt.Block(nn.Linear(2, 2), mode="PIPE"), nn.Linear(2, 2),
+                                               bmt.Block(nn.Linear(2, 2))])
+    assert len(blocks) == 3
     with pytest.raises(ValueError, match=r"mode must be 'BLOCK' or 'PIPE', got 'pipe'"):
         bmt.Block(nn.Linear(2, 2), mode="pipe")
 

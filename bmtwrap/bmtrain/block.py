@@ -75,8 +75,9 @@ class Block(BlockModule):
             default: the value given to :func:`bmtwrap.init_distributed`.
         initialized: BMTrain's flag for a block whose storage another block made; accepted and
             not needed (bmtwrap shards at construction, and shares storage by itself).
-        mode: ``"BLOCK"``, or ``"PIPE"`` for a block meant for a
-            :class:`~bmtwrap.PipelineTransformerBlockList` (with one pipeline stage, the same).
+        mode: ``"BLOCK"`` or ``"PIPE"`` (BMTrain's mark of a block meant for a
+            :class:`~bmtwrap.PipelineTransformerBlockList`); both build the same block, and either
+            may go into either list.
         reduce_dtype: dtype gradients are averaged in; default: the parameters' own.
         offload_params: keep this block's parameter shards (and their gradients) in pinned CPU
             memory; the GPU holds them only while the block is gathered (see :func:`bmtwrap.wrap`).

@@ -40,11 +40,6 @@ def _make_blocks(modules: Iterable[nn.Module], list_name: str, *, pipe: bool) ->
                 "parameters)"
             )
         seen.add(id(module))
-        if pipe and module._mode != "PIPE":
-            raise BlockSharingError(
-                f"block {index} ({type(module._module).__name__}) was built with mode={module._mode!r}; a "
-                "PipelineTransformerBlockList takes plain modules, or Blocks built with mode='PIPE'"
-            )
     blocks: List[Block] = []
     first_of: Dict[int, Block] = {}  # id(plain module) -> its first block in this list
     for module in modules:
@@ -93,7 +88,7 @@ class TransformerBlockList(nn.Module):
         h, hs = blocks(h, mask, return_hidden_states=True)
     """
 
-    _pipeline = False  # BMTrain's pipeline list (pipeline.py) takes only blocks built with mode="PIPE"
+    _pipeline = False  # the pipeline list (pipeline.py) builds its blocks from plain modules with mode="PIPE"
 
     def __init__(self, modules: Iterable[nn.Module], num_hidden: int = 1) -> None:
         super().__init__()

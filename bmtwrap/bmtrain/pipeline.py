@@ -98,13 +98,15 @@ class PipelineTransformerBlockList(TransformerBlockList):
     :class:`TransformerBlockList` (``batch_related`` changes nothing).
 
     Args:
-        modules: plain modules, or blocks built with ``mode="PIPE"`` (BMTrain's rule).
+        modules: plain modules or blocks. A block's ``mode`` changes nothing here: a block built with the
+            default ``mode="BLOCK"`` is taken as one built with ``"PIPE"`` (as BMTrain's older lists take any
+            ``CheckpointBlock``; BMTrain 1.0.1's asserts ``"PIPE"``).
         num_hidden: how many leading arguments are hidden states (1 with ``pipe_size`` above 1).
 
     Raises:
         TypeError: an element is not an ``nn.Module``.
         ValueError: as :class:`TransformerBlockList`; fewer layers than pipeline stages.
-        BlockSharingError: a ``Block`` built without ``mode="PIPE"``, or one given twice.
+        BlockSharingError: a ``Block`` given twice.
         NotImplementedError: ``num_hidden`` above 1 with ``pipe_size`` above 1.
 
     Example::

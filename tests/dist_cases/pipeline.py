@@ -44,7 +44,8 @@ class Model(bmt.DistributedModule):
         self.embed = bmt.DistributedParameter(torch.empty(V, H), init_method=bmt.ParameterInitializer(nn.init.normal_,
                                                                                                        std=0.3))
         self.shift = bmt.DistributedParameter(torch.empty(H), init_method=nn.init.normal_)
-        self.layers = bmt.PipelineTransformerBlockList([Layer() for _ in range(layers)])
+        # plain modules and blocks built with the default mode="BLOCK" (as BMTrain's tests give them)
+        self.layers = bmt.PipelineTransformerBlockList([bmt.Block(Layer()) if i % 2 else Layer() for i in range(layers)])
         self.norm = bmt.DistributedParameter(torch.empty(H), init_method=nn.init.ones_)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
