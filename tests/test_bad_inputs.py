@@ -213,7 +213,7 @@ ROWS = [
         lambda f: bmt.optim.AdamOptimizer(wrapped().parameters(), betas=(0.9, 1.5))),
     Row("adam-master-dtype", TypeError, r"the master copy must be fp32",
         lambda f: bmt.optim.AdamOptimizer(wrapped().parameters(), master_dtype=torch.float16)),
-    Row("adam-unwrapped-copy", ValueError, r"none of the 4 parameters is sharded by bmtwrap, .* after bmtwrap.wrap",
+    Row("adam-unwrapped-copy", UserWarning, r"none of the 4 parameters is sharded by bmtwrap, .* after bmtwrap.wrap",
         unwrapped_copy_optimizer),
     Row("adam-state-of-another-model", ValueError, r"the state is for 2 parameters, this optimizer has 4",
         optimizer_of_another_model),
@@ -334,8 +334,12 @@ ROWS = [
 
 @pytest.mark.parametrize("row", [r for r in ROWS if r.make is not None], ids=lambda r: r.id)
 def test_row(row: Row, tmp_path: Path) -> None:
-    with pytest.raises(row.error, match=row.match):
-        row.make(tmp_path)
+    if issubclass(row.error, Warning):  # the program goes on, told what is likely wrong
+        with pytest.warns(row.error, match=row.match):
+            row.make(tmp_path)
+    else:
+        with pytest.raises(row.error, match=row.match):
+            row.make(tmp_path)
 
 
 @pytest.mark.parametrize("row", [r for r in ROWS if r.covered_by is not None], ids=lambda r: r.id)

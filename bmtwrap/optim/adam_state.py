@@ -17,6 +17,8 @@ the update, so unscaling and clipping cost no extra pass over the gradients.
 
 from __future__ import annotations
 
+import warnings
+
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -45,14 +47,15 @@ def _check_params(params: List[torch.Tensor], who: str) -> None:
                          "materialise meta models, before building the optimizer")
     if registry is None:
         return
-    # Replicated parameters (plain ones outside blocks) are legitimate, so the mistake caught is
-    # the whole list coming from an unwrapped copy while a sharded model exists.
+    # Replicated parameters (plain ones outside blocks) are legitimate, so the likely mistake is the
+    # whole list coming from an unwrapped copy while a sharded model exists. A warning, not an error:
+    # a plain model trained beside a sharded one is legitimate too (BMTrain's programs compare them so).
     if registry.any_sharded() and not any(registry.is_sharded(p) for p in params):
-        raise ValueError(
-            f"{who}: none of the {len(params)} parameters is sharded by bmtwrap, but a sharded model exists; "
-            "build the optimizer from the wrapped model's parameters() after bmtwrap.wrap(model) (or from the "
-            "model made of bmtwrap blocks), not from an unwrapped copy"
-        )
+        warnings.warn(
+            f"{who}: none of the {len(params)} parameters is sharded by bmtwrap, but a sharded model exists; if "
+            "they are an unwrapped copy's, the wrapped model will not train: build the optimizer from the wrapped "
+            "model's parameters() after bmtwrap.wrap(model) (or from the model made of bmtwrap blocks)",
+            UserWarning, stacklevel=4)
 
 
 def _offload_policy(registry: Any, param: torch.Tensor) -> OffloadPolicy:
