@@ -86,11 +86,15 @@ def test_send_and_receive_along_the_pipe_group(layouts):
     assert result(layouts[0], "send_recv") == {"received": [None, None, 0.0, 0.0]}  # stage 0 sent, stage 1 received
 
 
-def test_inspecting_records_outside_the_pipelined_layers(layouts):
+def test_inspecting_records_inside_and_outside_the_pipelined_layers(layouts):
     found = result(layouts[0], "inspector")
     assert found["outside"] == ["after"]
-    assert found["inside"][0] == "NotImplementedError" and "record outside the pipelined layers, or inspect with " \
-        "pipe_size=1" in found["inside"][1]
+    assert found["names"] == ["inside"] * 4 and found["summary_names"] == [f"{i}.inside" for i in range(4)]
+    for what in ("values", "record_grads", "grad_stats", "input_grad", "param_grads"):
+        assert found[what] < CLOSE, (what, found[what])
+    assert found["refused"][0] == "NotImplementedError" and "'total' of shape () does not lead with the " \
+        "micro-batch's" in found["refused"][1] and "record outside the pipelined layers, or inspect with " \
+        "pipe_size=1" in found["refused"][1]
 
 
 def test_bad_input_names_the_fix(layouts):

@@ -23,11 +23,24 @@ Point-to-point transfers are ``bmt.distributed.send_activations``/``recv_activat
 (``torch.distributed`` send and receive). A layer's gradient, summed over the pipeline's micro-batches and
 reduce-scattered in its stage, is divided by P (``FlatBuffer.one_stage``): the mean over the W ranks'
 losses, as for every other parameter.
+
+[Note: records inside a pipeline]
+``bmt.inspect.record_tensor`` inside the pipelined layers gives the caller's ``inspect_tensor()`` what the
+same layers would record without a pipeline: on every rank, each record of this rank's batch, in layer order.
+While a stage's layers run, a stand-in inspector keeps each micro-batch's records; after the forward, each
+record (every micro-batch's joined: the pipeline's P x B rows) is broadcast from its stage, and each rank keeps
+its rows. They leave the pipeline as further outputs of its autograd function, so a loss built from a record
+back-propagates: in backward, a record's gradient is gathered along the pipeline and its stage adds each
+micro-batch's rows to that micro-batch's backward (a second root beside the stage's output). The record's own
+gradient (``get_summary``'s ``grad_mean``/``grad_std``) is what its stage found, the later layers' share
+included, handed back to each rank's record after the backward. A record must lead with the micro-batch's
+rows and be made in every micro-batch alike; anything else is refused on every rank.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+import weakref
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -41,6 +54,7 @@ from .block import Block
 from .blocklist import TransformerBlockList
 from .comm import config_communicator, current_topology
 from .distributed import recv_activations, send_activations
+from .inspect.tensor import _Record
 
 __all__ = ["PipelineTransformerBlockList", "RemoteParameter", "share_stage_grads", "stage_layers"]
 
@@ -184,7 +198,10 @@ class PipelineTransformerBlockList(TransformerBlockList):
                       for i, a in enumerate(rest))
         run = _Run(self, split, kwargs, torch.is_grad_enabled())
         placeholder = torch.empty(0, requires_grad=run.with_grad)  # so that the output records a backward
-        return _Pipeline.apply(run, placeholder, hidden, *rest)
+        result, *records = _Pipeline.apply(run, placeholder, hidden, *rest)
+        if records:
+            run.hand_to(ctx.inspector, records)
+        return result
 
     def get_range_by_stage_id(self, stage_id: int) -> range:
         """The layers stage ``stage_id`` holds (BMTrain's name)."""
@@ -221,6 +238,9 @@ class _Run:
         self.outputs: List[torch.Tensor] = []  # and its output
         self.args: List[List[Any]] = []  # each micro-batch's other arguments (leaves where tensors)
         self.gathered_shape = torch.Size()
+        self.recorded: List[Tuple[int, int, _Recorded]] = []  # (stage, place, what) of every stage's records
+        self.own_records: List[List[_Record]] = []  # this stage's records, per micro-batch
+        self.handed: List[Optional["weakref.ref[torch.Tensor]"]] = []  # the records the inspector got
 
     @property
     def first(self) -> bool:
@@ -241,6 +261,42 @@ class _Run:
         dist.broadcast(x, src=self.comm.global_rank(stage), group=self.group)
         return x
 
+    def stage_record(self, stage: int, index: int, what: _Recorded, device: torch.device) -> torch.Tensor:
+        """Record ``index`` of stage ``stage``, every micro-batch's joined and broadcast along the pipeline: this
+        rank's rows (see [Note: records inside a pipeline])."""
+        if stage == self.stage:
+            full = torch.cat([records[index].tensor.detach() for records in self.own_records])
+        else:
+            full = torch.empty((self.gathered_shape[0], *what.tail), dtype=what.dtype, device=device)
+        return self.broadcast(full, stage).chunk(self.stages)[self.stage].clone()
+
+    def hand_to(self, inspector: Any, records: Sequence[torch.Tensor]) -> None:
+        """Give the caller's inspector the records, in stage and layer order, as if recorded here."""
+        world = _dist.current().world_size
+        self.handed = []
+        for tensor, (_, _, what) in zip(records, self.recorded):
+            keep = what.keep_grad and tensor.requires_grad
+            if keep:
+                tensor.retain_grad()
+            inspector._record(_Record(name=what.name, group=what.group, requires_grad=keep, tensor=tensor,
+                                      shape=(tensor.shape[0] * world, *what.tail)))
+            self.handed.append(weakref.ref(tensor) if keep else None)
+
+    def hand_back_record_grads(self) -> None:
+        """Each kept record's gradient as its stage found it (through the later layers too), to this rank's rows."""
+        for (stage, index, what), handed in zip(self.recorded, self.handed):
+            if not what.keep_grad or not what.differentiable:
+                continue
+            if stage == self.stage:
+                full = torch.cat([r[index].tensor.grad if r[index].tensor.grad is not None
+                                  else torch.zeros_like(r[index].tensor) for r in self.own_records])
+            else:
+                full = torch.empty((self.gathered_shape[0], *what.tail), dtype=what.dtype, device=_dist.current().device)
+            rows = self.broadcast(full, stage).chunk(self.stages)[self.stage].clone()
+            tensor = handed() if handed is not None else None
+            if tensor is not None:
+                tensor.grad = rows
+
     def micro_args(self, args: Sequence[Any]) -> None:
         """Each micro-batch's arguments: those cut with the batch, in pieces of the pipeline's rows; the others
         shared (one leaf, whose gradient sums over the micro-batches)."""
@@ -256,73 +312,123 @@ class _Run:
         self.args = [[column[m] for column in columns] for m in range(self.micros)]
 
 
-class _CountRecords:
-    """Stands for the active ``inspect_tensor()`` while a stage's layers run: counts what they record."""
+class _Collect:
+    """Stands for the active ``inspect_tensor()`` while a stage's layers run: each micro-batch's records."""
 
     def __init__(self) -> None:
-        self.count = 0
+        self.micros: List[List[_Record]] = []
 
-    def _record(self, record: Any) -> None:
-        self.count += 1
+    def _record(self, record: _Record) -> None:
+        self.micros[-1].append(record)
+
+
+class _Recorded(NamedTuple):
+    """What one stage recorded at one place of its layers, the same in every micro-batch."""
+
+    name: str
+    group: Optional[str]
+    keep_grad: bool  # record_tensor(requires_grad=...) and the tensor needed one
+    differentiable: bool
+    tail: Tuple[int, ...]  # the shape after dimension 0
+    dtype: torch.dtype
+
+
+def _stage_records(collect: _Collect, rows: int) -> Union[List[_Recorded], str]:
+    """What this stage's layers recorded, or why it cannot be handed on (see [Note: records inside a pipeline])."""
+    first = collect.micros[0]
+    for records in collect.micros:
+        if [(r.name, r.group) for r in records] != [(r.name, r.group) for r in first]:
+            return "the layers recorded different tensors in different micro-batches"
+        for r in records:
+            if r.tensor.dim() == 0 or r.tensor.shape[0] != rows:
+                return (f"'{r.name}' of shape {tuple(r.tensor.shape)} does not lead with the micro-batch's {rows} "
+                        "rows")
+    return [_Recorded(r.name, r.group, r.requires_grad, r.tensor.requires_grad, tuple(r.tensor.shape[1:]),
+                      r.tensor.dtype) for r in first]
 
 
 class _Pipeline(torch.autograd.Function):
     """The pipeline of one call: forward and backward as [Note: the pipeline schedule] says."""
 
     @staticmethod
-    def forward(ctx: Any, run: _Run, placeholder: torch.Tensor, hidden: torch.Tensor, *args: Any) -> torch.Tensor:
+    def forward(ctx: Any, run: _Run, placeholder: torch.Tensor, hidden: torch.Tensor, *args: Any) -> Any:
         ctx.run = run
         full = run.gather(hidden)
         run.gathered_shape = full.shape
         run.micro_args(args)
         micro = full.chunk(run.micros)
         dist_ctx = _dist.current()
-        inspector, dist_ctx.inspector = dist_ctx.inspector, _CountRecords() if dist_ctx.inspector else None
+        collect = _Collect() if dist_ctx.inspector is not None else None
+        inspector, dist_ctx.inspector = dist_ctx.inspector, collect
         try:
             with torch.set_grad_enabled(run.with_grad):
                 for m in range(run.micros):
                     x = micro[m] if run.first else recv_activations(run.stage - 1, run.comm)
                     x = x.detach().requires_grad_(run.with_grad)
+                    if collect is not None:
+                        collect.micros.append([])
                     y = run.blocks._run_stage(x, run.args[m], run.kwargs)
                     if not run.last:
                         send_activations(y.detach(), run.stage + 1, run.comm)
                     run.inputs.append(x)
                     run.outputs.append(y)
         finally:
-            recorded, dist_ctx.inspector = dist_ctx.inspector is not None and dist_ctx.inspector.count, inspector
+            dist_ctx.inspector = inspector
+        mine = _stage_records(collect, micro[0].shape[0]) if collect is not None else []
         result = torch.cat([y.detach() for y in run.outputs]) if run.last else hidden
         found: List[Any] = [None] * run.stages  # the output's shape and dtype, and what each stage recorded
-        dist.all_gather_object(found, (tuple(result.shape), result.dtype, recorded), group=run.group)
-        if any(seen for _, _, seen in found):  # every rank of the pipeline raises
+        dist.all_gather_object(found, (tuple(result.shape), result.dtype, mine), group=run.group)
+        refused = [(stage, why) for stage, (_, _, why) in enumerate(found) if isinstance(why, str)]
+        if refused:  # every rank of the pipeline raises
             raise NotImplementedError(
-                "bmt.inspect.record_tensor inside the layers of a PipelineTransformerBlockList under pipe_size > 1 is "
-                "not supported: each stage runs other layers on micro-batches; record outside the pipelined layers, "
-                "or inspect with pipe_size=1")
+                f"bmt.inspect.record_tensor inside the layers of a PipelineTransformerBlockList (stage {refused[0][0]}): "
+                f"{refused[0][1]}; under pipe_size > 1 a record must be a tensor of the micro-batch's rows, recorded "
+                "in every micro-batch alike; record outside the pipelined layers, or inspect with pipe_size=1")
         if not run.last:
             result = torch.empty(found[-1][0], dtype=found[-1][1], device=hidden.device)
         run.broadcast(result, run.stages - 1)
+        run.recorded = [(stage, index, what) for stage, (_, _, made) in enumerate(found) for index, what in enumerate(made)]
+        run.own_records = collect.micros if collect is not None and mine else []
+        records = [run.stage_record(stage, index, what, hidden.device) for stage, index, what in run.recorded]
+        ctx.mark_non_differentiable(*[r for r, (_, _, what) in zip(records, run.recorded) if not what.differentiable])
         if not run.with_grad:
-            run.inputs, run.outputs, run.args = [], [], []
-        return result.chunk(run.stages)[run.stage].clone()
+            run.inputs, run.outputs, run.args, run.own_records = [], [], [], []
+        return (result.chunk(run.stages)[run.stage].clone(), *records)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+    def backward(ctx: Any, grad: torch.Tensor, *record_grads: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
         run: _Run = ctx.run
         grads = run.gather(grad).chunk(run.micros)
-        with engine().inner_backward():
-            for m in range(run.micros):
-                g = grads[m] if run.last else recv_activations(run.stage + 1, run.comm)
-                torch.autograd.backward(run.outputs[m], g)
-                if not run.first:
-                    x = run.inputs[m]
-                    send_activations(x.grad if x.grad is not None else torch.zeros_like(x), run.stage - 1, run.comm)
+        # Each record's gradient, gathered along the pipeline: its stage adds it in each micro-batch's backward.
+        own = []
+        for (stage, index, what), g in zip(run.recorded, record_grads):
+            if what.differentiable:
+                g = g if g is not None else grad.new_zeros((grad.shape[0], *what.tail), dtype=what.dtype)
+                pieces = run.gather(g).chunk(run.micros)  # every rank of the pipeline takes part
+                if stage == run.stage:
+                    own.append((index, pieces))
+        dist_ctx = _dist.current()
+        inspector, dist_ctx.inspector = dist_ctx.inspector, None  # a recomputation records nothing twice
+        try:
+            with engine().inner_backward():
+                for m in range(run.micros):
+                    g = grads[m] if run.last else recv_activations(run.stage + 1, run.comm)
+                    roots = [run.outputs[m]] + [run.own_records[m][index].tensor for index, _ in own]
+                    torch.autograd.backward(roots, [g] + [pieces[m] for _, pieces in own])
+                    if not run.first:
+                        x = run.inputs[m]
+                        send_activations(x.grad if x.grad is not None else torch.zeros_like(x), run.stage - 1,
+                                         run.comm)
+        finally:
+            dist_ctx.inspector = inspector
+        run.hand_back_record_grads()
         if run.first:
             inputs = torch.cat([x.grad if x.grad is not None else torch.zeros_like(x) for x in run.inputs])
         else:
             inputs = torch.empty(run.gathered_shape, dtype=grad.dtype, device=grad.device)
         hidden_grad = run.broadcast(inputs, 0).chunk(run.stages)[run.stage].clone()
         arg_grads = [_arg_grad(run, i) for i in range(len(run.split))]
-        run.inputs, run.outputs, run.args = [], [], []
+        run.inputs, run.outputs, run.args, run.own_records = [], [], [], []
         return (None, None, hidden_grad, *arg_grads)
 
 

@@ -201,23 +201,68 @@ def send_recv() -> Dict[str, Any]:
     return {"received": every}
 
 
-def inspector() -> Dict[str, Any]:
-    """Tensors recorded outside the pipelined layers are summarised; inside them the pipeline refuses on every rank."""
-    class Recording(Layer):
-        def forward(self, x: torch.Tensor, mask: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-            bmt.inspect.record_tensor(x, "inside")
-            return super().forward(x, mask, shift)
+class Recording(Layer):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        bmt.inspect.record_tensor(x, "inside")
+        return super().forward(x, mask, shift)
 
+
+def inspector() -> Dict[str, Any]:
+    """Tensors recorded outside the pipelined layers and inside them, against the same layers in plain torch on the
+    whole batch: each rank's records are its rows, a loss built from them back-propagates, their gradients count
+    the later layers too; a record that does not lead with the rows is refused on every rank."""
     model, x, mask = Model(), torch.randn(2, SEQ, H, requires_grad=True), torch.ones(2, SEQ, 1)
     bmt.init_parameters(model)
     with bmt.inspect.inspect_tensor() as outside:
         h = model.layers(x * 2, mask, torch.zeros(H))
         bmt.inspect.record_tensor(h, "after")
     h.sum().backward()
-    recording = bmt.PipelineTransformerBlockList([Recording() for _ in range(2)])
+
+    torch.manual_seed(6)
+    world, rows = bmt.world_size(), 2
+    recording = bmt.PipelineTransformerBlockList([Recording() for _ in range(LAYERS)])
+    bmt.init_parameters(recording)
+    whole = saved(recording, "recording.pt")
+    xs, ws = torch.randn(world * rows, SEQ, H), torch.randn(LAYERS, world * rows, SEQ, H)
+    masks, shift = torch.rand(world * rows, SEQ, 1), torch.randn(H)
+    mine = slice(bmt.rank() * rows, (bmt.rank() + 1) * rows)
+    x = xs[mine].clone().requires_grad_()
+    with bmt.inspect.inspect_tensor() as inspector:
+        out = recording(x, masks[mine], shift)
+    records = [entry["tensor"] for entry in inspector.summary]
+    (sum((r * w[mine]).sum() for r, w in zip(records, ws)) + out.pow(2).sum()).backward()
+    summary = {entry["name"]: entry for entry in inspector.get_summary()}
+
+    ref = {k: v.clone().requires_grad_() for k, v in whole.items()}
+    h, ref_records = xs.clone().requires_grad_(), []
+    for i in range(LAYERS):
+        h.retain_grad()
+        ref_records.append(h)
+        pre = f"{i}."
+        y = F.layer_norm(h + shift, (H,), ref[pre + "norm_weight"])
+        y = F.linear(F.gelu(F.linear(y, ref[pre + "up.weight"], ref[pre + "up.bias"])), ref[pre + "down.weight"],
+                     ref[pre + "down.bias"])
+        h = h + masks * y
+    (sum((r * w).sum() for r, w in zip(ref_records, ws)) + h.pow(2).sum()).backward()
+    grads = {e["name"]: e for e in bmt.inspect.inspect_model(recording, "*")}  # every stage's layers
     with bmt.inspect.inspect_tensor():
-        refused = raised(lambda: recording(x, mask, torch.zeros(H)))
-    return {"outside": [s["name"] for s in outside.get_summary()], "inside": refused}
+        tiny = bmt.PipelineTransformerBlockList([Scalar() for _ in range(2)])
+        refused = raised(lambda: tiny(x, masks[mine], shift))
+    return {"outside": [s["name"] for s in outside.get_summary()],
+            "names": [entry["name"] for entry in inspector.summary], "summary_names": sorted(summary),
+            "values": max(diff(r, ref_r[mine]) for r, ref_r in zip(records, ref_records)),
+            "record_grads": max(diff(r.grad, ref_r.grad[mine]) for r, ref_r in zip(records, ref_records)),
+            "grad_stats": max(abs(summary[f"{i}.inside"]["grad_mean"] - float(ref_r.grad.mean()))
+                              for i, ref_r in enumerate(ref_records)),
+            "input_grad": diff(x.grad, ref_records[0].grad[mine]),  # the first record is the reference's input
+            "param_grads": max(abs(grads[k]["grad_mean"] * world - float(ref[k].grad.mean())) for k in ref),
+            "refused": refused}
+
+
+class Scalar(Layer):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        bmt.inspect.record_tensor(x.sum(), "total")  # not a tensor of the rows: a pipeline cannot hand it on
+        return super().forward(x, mask, shift)
 
 
 def errors() -> Dict[str, Any]:
