@@ -29,8 +29,8 @@ from .bmtrain import debug, distributed, inspect, nccl, nn, utils, zero_context
 from .bmtrain.block import Block, BlockSharingError, CheckpointBlock
 from .bmtrain.blocklist import TransformerBlockList
 from .bmtrain.pipeline import PipelineTransformerBlockList
-from .checkpoint import (CheckpointInfo, clean, from_pretrained, load, load_checkpoint, load_pretrained, load_state_dict,
-                         save, save_checkpoint, save_pretrained)
+from .checkpoint import (CheckpointInfo, clean, from_pretrained, load, load_checkpoint, load_pretrained,
+                         load_state_dict, save, save_checkpoint, save_pretrained)
 from .engine.dist import init_distributed, print_rank, rank, sum_loss, synchronize, wait_loader, world_size
 from .bmtrain.config_view import config
 from .engine.full_state import full_grad_dict, full_state_dict

@@ -291,7 +291,8 @@ class _Run:
                 full = torch.cat([r[index].tensor.grad if r[index].tensor.grad is not None
                                   else torch.zeros_like(r[index].tensor) for r in self.own_records])
             else:
-                full = torch.empty((self.gathered_shape[0], *what.tail), dtype=what.dtype, device=_dist.current().device)
+                full = torch.empty((self.gathered_shape[0], *what.tail), dtype=what.dtype,
+                                   device=_dist.current().device)
             rows = self.broadcast(full, stage).chunk(self.stages)[self.stage].clone()
             tensor = handed() if handed is not None else None
             if tensor is not None:
@@ -381,13 +382,14 @@ class _Pipeline(torch.autograd.Function):
         refused = [(stage, why) for stage, (_, _, why) in enumerate(found) if isinstance(why, str)]
         if refused:  # every rank of the pipeline raises
             raise NotImplementedError(
-                f"bmt.inspect.record_tensor inside the layers of a PipelineTransformerBlockList (stage {refused[0][0]}): "
-                f"{refused[0][1]}; under pipe_size > 1 a record must be a tensor of the micro-batch's rows, recorded "
-                "in every micro-batch alike; record outside the pipelined layers, or inspect with pipe_size=1")
+                "bmt.inspect.record_tensor inside the layers of a PipelineTransformerBlockList "
+                f"(stage {refused[0][0]}): {refused[0][1]}; under pipe_size > 1 a record must be a tensor of the "
+                "micro-batch's rows, recorded in every micro-batch alike; record outside the pipelined layers, or inspect with pipe_size=1")
         if not run.last:
             result = torch.empty(found[-1][0], dtype=found[-1][1], device=hidden.device)
         run.broadcast(result, run.stages - 1)
-        run.recorded = [(stage, index, what) for stage, (_, _, made) in enumerate(found) for index, what in enumerate(made)]
+        run.recorded = [(stage, index, what) for stage, (_, _, made) in enumerate(found)
+                        for index, what in enumerate(made)]
         run.own_records = collect.micros if collect is not None and mine else []
         records = [run.stage_record(stage, index, what, hidden.device) for stage, index, what in run.recorded]
         ctx.mark_non_differentiable(*[r for r, (_, _, what) in zip(records, run.recorded) if not what.differentiable])
@@ -396,7 +398,8 @@ class _Pipeline(torch.autograd.Function):
         return (result.chunk(run.stages)[run.stage].clone(), *records)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor, *record_grads: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
+    def backward(ctx: Any, grad: torch.Tensor,
+                 *record_grads: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
         run: _Run = ctx.run
         grads = run.gather(grad).chunk(run.micros)
         # Each record's gradient, gathered along the pipeline: its stage adds it in each micro-batch's backward.

@@ -626,7 +626,7 @@ def _unwritable(path: Path, err: BaseException) -> RuntimeError:
 
 
 def clean(path: PathLike) -> None:
-    """Remove what :func:`save` wrote at ``path``: its file, or its ``save_gather=False`` folder (BMTrain's ``bmt.clean``).
+    """Remove what :func:`save` wrote at ``path``: its file or its ``save_gather=False`` folder (BMTrain's ``clean``).
 
     A collective: every rank calls it; rank 0 removes, and every rank returns once it is gone. A
     folder is removed only if it holds a sharded checkpoint (its ``index.json``), so a wrong path

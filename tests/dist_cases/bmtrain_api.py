@@ -197,7 +197,8 @@ def adopted_blocks() -> Dict[str, Any]:
     data = torch.randint(0, 64, (6, 17), generator=torch.Generator().manual_seed(4))
     out = train_pair(ref, model, lambda m, ids: m.loss(ids), data)
     out["runners_shared"] = all(block.runner is engine().block_runner_of(block._module) for block in model.layers)
-    out["checkpoint_block_checks"] = {**checks, "blocks_are": all(isinstance(b, bmt.CheckpointBlock) for b in model.layers)}
+    checks["blocks_are"] = all(isinstance(block, bmt.CheckpointBlock) for block in model.layers)
+    out["checkpoint_block_checks"] = checks
     return out
 
 

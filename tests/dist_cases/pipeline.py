@@ -45,7 +45,8 @@ class Model(bmt.DistributedModule):
                                                                                                        std=0.3))
         self.shift = bmt.DistributedParameter(torch.empty(H), init_method=nn.init.normal_)
         # plain modules and blocks built with the default mode="BLOCK" (as BMTrain's tests give them)
-        self.layers = bmt.PipelineTransformerBlockList([bmt.Block(Layer()) if i % 2 else Layer() for i in range(layers)])
+        self.layers = bmt.PipelineTransformerBlockList(
+            [bmt.Block(Layer()) if i % 2 else Layer() for i in range(layers)])
         self.norm = bmt.DistributedParameter(torch.empty(H), init_method=nn.init.ones_)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
