@@ -52,3 +52,21 @@ def _first_failure(reports: Sequence[Optional[Tuple[str, str]]]) -> Optional[Tup
         if report is not None:
             return report[0], f"{report[1]} (on rank {rank})"
     return None
+
+
+def _agree_quoting(ctx: DistContext, failure: Optional[BaseException], what: str) -> None:
+    """A collective: raise on every rank if any rank has a ``failure`` (see [Note: failing together] in
+    ``full``).
+
+    A rank raises its own error; the others a RuntimeError quoting the first failing rank's.
+    """
+    report = None if failure is None else f"{type(failure).__name__}: {failure}"
+    reports: List[Optional[str]] = [report]
+    if ctx.world_size > 1:
+        reports = [None] * ctx.world_size
+        dist.all_gather_object(reports, report, group=ctx.group)
+    if failure is not None:
+        raise failure
+    failed = [(rank, text) for rank, text in enumerate(reports) if text is not None]
+    if failed:
+        raise RuntimeError(f"{what} failed on another rank: rank {failed[0][0]} raised {failed[0][1]}")

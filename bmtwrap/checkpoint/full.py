@@ -58,9 +58,7 @@ not check; ``load`` checks them, each rank its share of the records (see [Note: 
 from __future__ import annotations
 
 import contextlib
-import json
 import pickle
-import shutil
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,7 +66,6 @@ from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Pro
 
 import safetensors
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..engine.dist import DistContext
@@ -76,6 +73,7 @@ from ..engine.full_state import tp_cut, tp_full_shape, tp_join
 from ..engine.group import FlatBuffer
 from ..engine.schedule import engine
 from ..wrap.materialize import restore_buffers
+from .agree import _agree_quoting
 from .full_format import (
     SAFETENSORS_SUFFIX,
     _check_safetensors,
@@ -86,10 +84,10 @@ from .full_format import (
     _Writer,
 )
 from .io import PathLike, atomic_file, read_flat_range, unwritable
-from .sharded import load_checkpoint, save_checkpoint
-from .sharded_format import INDEX
+from .pieces import load_pieces
+from .sharded import save_checkpoint
 
-__all__ = ["clean", "load", "load_state_dict", "save"]
+__all__ = ["load", "load_state_dict", "save"]
 
 _LIST_AT_MOST = 20  # names listed per problem in an error message
 
@@ -326,26 +324,6 @@ def _copy_into(model_state: Mapping[str, torch.Tensor], source: _Source, reads: 
             target.copy_(source.read(key).to(device=target.device, dtype=target.dtype))
 
 
-# --- agreeing across ranks ------------------------------------------------------------------------
-
-
-def _agree(ctx: DistContext, failure: Optional[BaseException], what: str) -> None:
-    """A collective: raise on every rank if any rank has a ``failure`` (see [Note: failing together]).
-
-    A rank raises its own error; the others a RuntimeError quoting the first failing rank's.
-    """
-    report = None if failure is None else f"{type(failure).__name__}: {failure}"
-    reports: List[Optional[str]] = [report]
-    if ctx.world_size > 1:
-        reports = [None] * ctx.world_size
-        dist.all_gather_object(reports, report, group=ctx.group)
-    if failure is not None:
-        raise failure
-    failed = [(rank, text) for rank, text in enumerate(reports) if text is not None]
-    if failed:
-        raise RuntimeError(f"{what} failed on another rank: rank {failed[0][0]} raised {failed[0][1]}")
-
-
 # --- public: load -------------------------------------------------------------------------------
 
 
@@ -432,7 +410,7 @@ def load(model: nn.Module, path: PathLike, *, strict: bool = True, load_gather: 
     ctx = engine().ctx
     path = Path(path)
     if path.is_dir():
-        return _load_folder(model, path, strict)
+        return IncompatibleKeys(*load_pieces(model, path, strict=strict))
     expected: Dict[str, torch.Tensor] = model.state_dict(keep_vars=True)
     with contextlib.ExitStack() as stack:
         failure: Optional[BaseException] = None
@@ -445,23 +423,11 @@ def load(model: nn.Module, path: PathLike, *, strict: bool = True, load_gather: 
             source.verify(reads, ctx.rank, ctx.world_size)
         except Exception as err:  # raised on every rank below, after the others know
             failure = err
-        _agree(ctx, failure, f"loading {path}")
+        _agree_quoting(ctx, failure, f"loading {path}")
         assert source is not None
         _copy_into(expected, source, reads)
     restore_buffers(model)
     return IncompatibleKeys(sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected)))
-
-
-def _load_folder(model: nn.Module, folder: Path, strict: bool) -> IncompatibleKeys:
-    """``load`` of a folder: a sharded checkpoint of the model alone (``save(..., save_gather=False)``)."""
-    if not (folder / INDEX).is_file():
-        raise ValueError(f"{folder} is a folder without {INDEX}; bmtwrap.load reads one file written by bmtwrap.save, "
-                         "torch.save or safetensors, or a folder written by bmtwrap.save(..., save_gather=False)")
-    load_checkpoint(folder, model, strict=strict, restore_rng=False)
-    with open(folder / INDEX, encoding="utf-8") as f:
-        saved = set(json.load(f)["model"])
-    expected = set(model.state_dict(keep_vars=True))
-    return IncompatibleKeys(sorted(expected - saved), sorted(saved - expected))
 
 
 # --- saving: what to write, in which order --------------------------------------------------------
@@ -563,7 +529,7 @@ def save(model: nn.Module, path: PathLike, *, non_blocking: bool = False, save_g
             nothing: each rank writes its own pieces, and ``path`` becomes a folder holding a
             sharded checkpoint of the model alone (:func:`~bmtwrap.checkpoint.save_checkpoint`'s
             format; not with tensor or pipeline parallelism). :func:`load` reads either, at any
-            world size, and :func:`clean` removes either.
+            world size, and :func:`~bmtwrap.checkpoint.clean` removes either.
 
     Raises:
         RuntimeError: the file cannot be written (its folder is not writable, the disk is full),
@@ -599,7 +565,7 @@ def save(model: nn.Module, path: PathLike, *, non_blocking: bool = False, save_g
                     writer = stack.enter_context(_open_writer(path, tmp, entries, order))
                 except Exception as err:  # held until every rank knows (see [Note: failing together])
                     failure = _unwritable(path, err) if isinstance(err, OSError) else err
-            _agree(ctx, failure, f"saving {path}")
+            _agree_quoting(ctx, failure, f"saving {path}")
             for entry, value in _host_values(units, ctx, on_host=rank0):
                 if writer is not None and failure is None:
                     try:
@@ -611,55 +577,15 @@ def save(model: nn.Module, path: PathLike, *, non_blocking: bool = False, save_g
                     writer.finish()
                 except Exception as err:
                     failure = _unwritable(path, err)
-            _agree(ctx, failure, f"saving {path}")
+            _agree_quoting(ctx, failure, f"saving {path}")
             committing = True  # leaving the stack fsyncs and renames the file (rank 0)
     except OSError as err:
         if not committing:
             raise
         commit_failure = _unwritable(path, err)
-    _agree(ctx, commit_failure, f"saving {path}")
+    _agree_quoting(ctx, commit_failure, f"saving {path}")
 
 
 def _unwritable(path: Path, err: BaseException) -> RuntimeError:
     return unwritable(str(path), err, "rank 0 writes the file: give a path in a folder it can create and write, on a "
                       "disk with room for the model; the previous file at that path, if any, is unchanged")
-
-
-def clean(path: PathLike) -> None:
-    """Remove what :func:`save` wrote at ``path``: its file or its ``save_gather=False`` folder (BMTrain's ``clean``).
-
-    A collective: every rank calls it; rank 0 removes, and every rank returns once it is gone. A
-    folder is removed only if it holds a sharded checkpoint (its ``index.json``), so a wrong path
-    cannot empty an unrelated folder.
-
-    Raises:
-        FileNotFoundError: nothing at ``path``, on every rank.
-        ValueError: ``path`` is a folder without ``index.json``, on every rank (nothing is removed).
-        RuntimeError: rank 0 could not remove it (the system's reason quoted), on every rank.
-
-    Example::
-
-        bmt.save(model, "step100.pt")
-        bmt.clean("step100.pt")
-    """
-    ctx = engine().ctx
-    path = Path(path)
-    failure: Optional[BaseException] = None
-    if ctx.rank == 0:
-        try:
-            if path.is_dir():
-                if not (path / INDEX).is_file():
-                    raise ValueError(f"{path} is a folder without {INDEX}, not one bmt.save wrote; nothing was removed")
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
-            else:
-                raise FileNotFoundError(f"bmt.clean: nothing at {path} to remove")
-        except FileNotFoundError as err:
-            failure = err
-        except OSError as err:
-            failure = RuntimeError(f"cannot remove {path} ({type(err).__name__}: {err}); rank 0 removes it: check "
-                                   "the permissions of it and of its folder")
-        except ValueError as err:
-            failure = err
-    _agree(ctx, failure, f"removing {path}")

@@ -281,7 +281,7 @@ def _check_zip(path: Path, state: Mapping[str, torch.Tensor], keys: Sequence[str
     record can only be checked by reading all of it, while a rank reads only its pieces. The
     records are therefore shared out among the ranks (largest first, each to the rank with the
     fewest bytes so far): each rank reads about 1/W of the file, as loading itself does, and a
-    mismatch found by any rank makes every rank raise before any writes (``full._agree``). This
+    mismatch found by any rank makes every rank raise before any writes (``agree._agree_quoting``). This
     assumes every rank reads the same file (a shared file system), as loading a full file does.
     ``state``, from ``torch.load(mmap=True)``, gives each record's keys for the error: a storage
     lies at the map's base plus its record's offset.
