@@ -48,8 +48,15 @@ def _unique_name(module: nn.Module) -> str:
     return f"{type(module).__name__}#{engine().next_block_number()}"
 
 
+def _runner_wrap_installed(module: nn.Module) -> Optional[BlockRunner]:
+    """The runner :func:`bmtwrap.wrap` made ``module`` a block with (calling ``module`` runs it), or ``None``."""
+    runner = engine().block_runner_of(module)
+    installed = getattr(module.__dict__.get("forward"), "block_runner", None)
+    return runner if runner is not None and runner is installed else None
+
+
 class BlockSharingError(ValueError, AssertionError):
-    """A ``Block`` given twice to one block list, or a pipeline list given a block not built for it.
+    """A ``Block`` given twice to one block list.
 
     A ``ValueError`` (bad input); also an ``AssertionError``, which is what BMTrain raises here,
     so that code catching BMTrain's error keeps working.
@@ -120,9 +127,8 @@ class Block(BlockModule):
         eng = engine()
         # A model wrapped on its own (BMTrainModelWrapper) inside: its parameters join this block.
         eng.dissolve_wrapped_under(inner_module)
-        adopted = eng.block_runner_of(inner_module)
-        installed = getattr(inner_module.__dict__.get("forward"), "block_runner", None)
-        if adopted is not None and adopted is installed:
+        adopted = _runner_wrap_installed(inner_module)
+        if adopted is not None:
             self._runner: BlockRunner = adopted  # a block wrap made: calling the module runs it
             self._calls_module = True
         else:
@@ -184,20 +190,13 @@ class Block(BlockModule):
         return tuple(out) if isinstance(out, list) else out
 
 
-def _wrap_made_block(module: Any) -> bool:
-    """Whether :func:`bmtwrap.wrap` made ``module`` a block: calling it runs it through its runner."""
-    if not isinstance(module, nn.Module):
-        return False
-    runner = engine().block_runner_of(module) if is_initialized() else None
-    return runner is not None and runner is getattr(module.__dict__.get("forward"), "block_runner", None)
-
-
 class _CheckpointBlockType(type):
     """``isinstance(m, CheckpointBlock)`` is true of a :class:`Block` and of a layer ``wrap`` made a block
     (see [Note: wrap's layers are checkpoint blocks])."""
 
     def __instancecheck__(cls, instance: Any) -> bool:
-        return type.__instancecheck__(cls, instance) or isinstance(instance, Block) or _wrap_made_block(instance)
+        return isinstance(instance, Block) or (isinstance(instance, nn.Module) and is_initialized()
+                                               and _runner_wrap_installed(instance) is not None)
 
 
 class CheckpointBlock(Block, metaclass=_CheckpointBlockType):

@@ -39,8 +39,9 @@ rows and be made in every micro-batch alike; anything else is refused on every r
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -261,13 +262,14 @@ class _Run:
         dist.broadcast(x, src=self.comm.global_rank(stage), group=self.group)
         return x
 
-    def stage_record(self, stage: int, index: int, what: _Recorded, device: torch.device) -> torch.Tensor:
-        """Record ``index`` of stage ``stage``, every micro-batch's joined and broadcast along the pipeline: this
-        rank's rows (see [Note: records inside a pipeline])."""
+    def stage_rows(self, stage: int, index: int, what: _Recorded,
+                   of_record: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``of_record(tensor)`` of record ``index`` of stage ``stage``, every micro-batch's joined on that stage and
+        broadcast along the pipeline: this rank's rows (see [Note: records inside a pipeline])."""
         if stage == self.stage:
-            full = torch.cat([records[index].tensor.detach() for records in self.own_records])
+            full = torch.cat([of_record(records[index].tensor) for records in self.own_records])
         else:
-            full = torch.empty((self.gathered_shape[0], *what.tail), dtype=what.dtype, device=device)
+            full = torch.empty((self.gathered_shape[0], *what.tail), dtype=what.dtype, device=_dist.current().device)
         return self.broadcast(full, stage).chunk(self.stages)[self.stage].clone()
 
     def hand_to(self, inspector: Any, records: Sequence[torch.Tensor]) -> None:
@@ -287,13 +289,7 @@ class _Run:
         for (stage, index, what), handed in zip(self.recorded, self.handed):
             if not what.keep_grad or not what.differentiable:
                 continue
-            if stage == self.stage:
-                full = torch.cat([r[index].tensor.grad if r[index].tensor.grad is not None
-                                  else torch.zeros_like(r[index].tensor) for r in self.own_records])
-            else:
-                full = torch.empty((self.gathered_shape[0], *what.tail), dtype=what.dtype,
-                                   device=_dist.current().device)
-            rows = self.broadcast(full, stage).chunk(self.stages)[self.stage].clone()
+            rows = self.stage_rows(stage, index, what, _grad_or_zeros)
             tensor = handed() if handed is not None else None
             if tensor is not None:
                 tensor.grad = rows
@@ -311,6 +307,21 @@ class _Run:
             else:
                 columns.append([arg] * self.micros)
         self.args = [[column[m] for column in columns] for m in range(self.micros)]
+
+
+@contextlib.contextmanager
+def _inspector(standing_in: Any) -> Iterator[None]:
+    """The process's active inspector replaced by ``standing_in`` (or none) inside the ``with``."""
+    ctx = _dist.current()
+    saved, ctx.inspector = ctx.inspector, standing_in
+    try:
+        yield
+    finally:
+        ctx.inspector = saved
+
+
+def _grad_or_zeros(x: torch.Tensor) -> torch.Tensor:
+    return x.grad if x.grad is not None else torch.zeros_like(x)
 
 
 class _Collect:
@@ -358,23 +369,18 @@ class _Pipeline(torch.autograd.Function):
         run.gathered_shape = full.shape
         run.micro_args(args)
         micro = full.chunk(run.micros)
-        dist_ctx = _dist.current()
-        collect = _Collect() if dist_ctx.inspector is not None else None
-        inspector, dist_ctx.inspector = dist_ctx.inspector, collect
-        try:
-            with torch.set_grad_enabled(run.with_grad):
-                for m in range(run.micros):
-                    x = micro[m] if run.first else recv_activations(run.stage - 1, run.comm)
-                    x = x.detach().requires_grad_(run.with_grad)
-                    if collect is not None:
-                        collect.micros.append([])
-                    y = run.blocks._run_stage(x, run.args[m], run.kwargs)
-                    if not run.last:
-                        send_activations(y.detach(), run.stage + 1, run.comm)
-                    run.inputs.append(x)
-                    run.outputs.append(y)
-        finally:
-            dist_ctx.inspector = inspector
+        collect = _Collect() if _dist.current().inspector is not None else None
+        with _inspector(collect), torch.set_grad_enabled(run.with_grad):
+            for m in range(run.micros):
+                x = micro[m] if run.first else recv_activations(run.stage - 1, run.comm)
+                x = x.detach().requires_grad_(run.with_grad)
+                if collect is not None:
+                    collect.micros.append([])
+                y = run.blocks._run_stage(x, run.args[m], run.kwargs)
+                if not run.last:
+                    send_activations(y.detach(), run.stage + 1, run.comm)
+                run.inputs.append(x)
+                run.outputs.append(y)
         mine = _stage_records(collect, micro[0].shape[0]) if collect is not None else []
         result = torch.cat([y.detach() for y in run.outputs]) if run.last else hidden
         found: List[Any] = [None] * run.stages  # the output's shape and dtype, and what each stage recorded
@@ -384,14 +390,15 @@ class _Pipeline(torch.autograd.Function):
             raise NotImplementedError(
                 "bmt.inspect.record_tensor inside the layers of a PipelineTransformerBlockList "
                 f"(stage {refused[0][0]}): {refused[0][1]}; under pipe_size > 1 a record must be a tensor of the "
-                "micro-batch's rows, recorded in every micro-batch alike; record outside the pipelined layers, or inspect with pipe_size=1")
+                "micro-batch's rows, recorded in every micro-batch alike; record outside the pipelined layers, or "
+                "inspect with pipe_size=1")
         if not run.last:
             result = torch.empty(found[-1][0], dtype=found[-1][1], device=hidden.device)
         run.broadcast(result, run.stages - 1)
         run.recorded = [(stage, index, what) for stage, (_, _, made) in enumerate(found)
                         for index, what in enumerate(made)]
         run.own_records = collect.micros if collect is not None and mine else []
-        records = [run.stage_record(stage, index, what, hidden.device) for stage, index, what in run.recorded]
+        records = [run.stage_rows(stage, index, what, torch.Tensor.detach) for stage, index, what in run.recorded]
         ctx.mark_non_differentiable(*[r for r, (_, _, what) in zip(records, run.recorded) if not what.differentiable])
         if not run.with_grad:
             run.inputs, run.outputs, run.args, run.own_records = [], [], [], []
@@ -410,23 +417,16 @@ class _Pipeline(torch.autograd.Function):
                 pieces = run.gather(g).chunk(run.micros)  # every rank of the pipeline takes part
                 if stage == run.stage:
                     own.append((index, pieces))
-        dist_ctx = _dist.current()
-        inspector, dist_ctx.inspector = dist_ctx.inspector, None  # a recomputation records nothing twice
-        try:
-            with engine().inner_backward():
-                for m in range(run.micros):
-                    g = grads[m] if run.last else recv_activations(run.stage + 1, run.comm)
-                    roots = [run.outputs[m]] + [run.own_records[m][index].tensor for index, _ in own]
-                    torch.autograd.backward(roots, [g] + [pieces[m] for _, pieces in own])
-                    if not run.first:
-                        x = run.inputs[m]
-                        send_activations(x.grad if x.grad is not None else torch.zeros_like(x), run.stage - 1,
-                                         run.comm)
-        finally:
-            dist_ctx.inspector = inspector
+        with _inspector(None), engine().inner_backward():  # a recomputation records nothing twice
+            for m in range(run.micros):
+                g = grads[m] if run.last else recv_activations(run.stage + 1, run.comm)
+                roots = [run.outputs[m]] + [run.own_records[m][index].tensor for index, _ in own]
+                torch.autograd.backward(roots, [g] + [pieces[m] for _, pieces in own])
+                if not run.first:
+                    send_activations(_grad_or_zeros(run.inputs[m]), run.stage - 1, run.comm)
         run.hand_back_record_grads()
         if run.first:
-            inputs = torch.cat([x.grad if x.grad is not None else torch.zeros_like(x) for x in run.inputs])
+            inputs = torch.cat([_grad_or_zeros(x) for x in run.inputs])
         else:
             inputs = torch.empty(run.gathered_shape, dtype=grad.dtype, device=grad.device)
         hidden_grad = run.broadcast(inputs, 0).chunk(run.stages)[run.stage].clone()
@@ -442,7 +442,7 @@ def _arg_grad(run: _Run, index: int) -> Optional[torch.Tensor]:
     if not isinstance(pieces[0], torch.Tensor) or not pieces[0].requires_grad:
         return None
     if run.split[index]:
-        total = torch.cat([p.grad if p.grad is not None else torch.zeros_like(p) for p in pieces])
+        total = torch.cat([_grad_or_zeros(p) for p in pieces])
     else:
         total = pieces[0].grad.clone() if pieces[0].grad is not None else torch.zeros_like(pieces[0])
     dist.all_reduce(total, group=run.group)

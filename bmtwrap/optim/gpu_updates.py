@@ -64,9 +64,11 @@ class GpuUpdates:
         """Update every ``(param, state, hyper)`` of ``work``; ``priority`` orders them as the next forward reads
         them, and ``buffer_of(param)`` is the engine buffer whose gather must wait for ``param``'s update (or
         ``None``)."""
-        beside = [item for item in work if BESIDE_FORWARD and item[0].is_cuda]
+        beside: List[Work] = []
         for item in work:
-            if not (BESIDE_FORWARD and item[0].is_cuda):
+            if BESIDE_FORWARD and item[0].is_cuda:
+                beside.append(item)
+            else:
                 _update_in_place(*item)
         if not beside:
             return
