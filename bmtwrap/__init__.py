@@ -40,7 +40,7 @@ from .bmtrain.module import DistributedModule, grouped_parameters, init_paramete
 from .engine.param import DistributedParameter
 from .bmtrain.utils import print_block, print_dict, see_memory
 from .engine.watchdog import CollectiveError
-from .wrap import WrapPlan, materialize, plan, wrap
+from .wrap import Float8, WrapPlan, materialize, plan, wrap
 
 # The module paths these had before the engine and the BMTrain API got folders of their own, for programs
 # that import them by path (``from bmtwrap.compat import install_bmtrain_alias``); new code uses the new ones.
@@ -70,6 +70,7 @@ __all__ = [
     "distributed",
     "DistributedModule",
     "DistributedParameter",
+    "Float8",
     "from_pretrained",
     "full_grad_dict",
     "full_state_dict",

@@ -184,6 +184,8 @@ ROWS = [
         covered_by="tests/test_hf_tensor_parallel.py::test_bad_sizes_and_models_name_the_fix"),
     Row("wrap-fp8-without-float8", RuntimeError, r"wrap\(fp8='tensorwise'\) needs a CUDA GPU with float8 tensor cores",
         covered_by="tests/test_wrap.py::test_fp8_is_refused_without_float8_tensor_cores_and_leaves_the_model_as_it_was"),
+    Row("wrap-fp8-keep-ends", ValueError, r"Float8\(keep_ends=2\): the model has 4 blocks, .* leaves none in float8",
+        covered_by="tests/test_wrap.py::test_fp8_refuses_ends_that_leave_no_block_in_float8_and_leaves_the_model_as_it_was"),
     Row("run-meta-model-unloaded", RuntimeError, r"built on the meta device .* bmtwrap.materialize\(model\) or load",
         meta_model_run),
     Row("meta-buffer-not-computed", ValueError, r"was built on the meta device and has no value",

@@ -1,5 +1,6 @@
 """wrap() in one process: its errors, re-wrapping, stale optimizers, plans and the plan command."""
 
+import copy
 import json
 import subprocess
 import sys
@@ -467,6 +468,60 @@ def test_fp8_off_leaves_every_linear_as_it_is():
     assert {type(m) for m in model.modules() if isinstance(m, nn.Linear)} == {nn.Linear}
     assert bmt.plan(tiny_llama()).fp8 == "off"
     assert bmt.plan(tiny_llama(), fp8="rowwise").fp8 == "rowwise: 14 of the blocks' 14 linear layers in float8"
+
+
+def _float8_layers(model: nn.Module) -> list:
+    return sorted({int(n.split(".")[2]) for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"})
+
+
+def test_fp8_keeps_the_blocks_at_both_ends_in_the_model_dtype_and_trains_like_the_model_converted_so():
+    """By default the first and last 2 blocks stay in the model's dtype, at most a quarter of the blocks: 1 at each
+    end of 8, none of 4. The wrapped model's losses and weights follow the unwrapped model converted the same way."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    emulated = Float8LinearConfig(emulate=True)
+    assert bmt.plan(tiny_llama(num_hidden_layers=16), fp8=True).fp8 == (
+        "tensorwise: 84 of the blocks' 112 linear layers in float8 (the first and last 2 blocks in the model's dtype)")
+    assert bmt.plan(tiny_llama(num_hidden_layers=4), fp8="rowwise").fp8 == (
+        "rowwise: 28 of the blocks' 28 linear layers in float8")
+    assert bmt.plan(tiny_llama(num_hidden_layers=4), fp8=bmt.Float8("rowwise", keep_ends=1)).fp8 == (
+        "rowwise: 14 of the blocks' 28 linear layers in float8 (the first and last block in the model's dtype)")
+    plain = tiny_llama(num_hidden_layers=8)
+    ref = convert_to_float8_training(copy.deepcopy(plain), config=emulated,
+                                     module_filter_fn=lambda m, fqn: any(f".layers.{i}." in f".{fqn}" for i in range(1, 7)))
+    model = bmt.wrap(plain, fp8=bmt.Float8(emulated))
+    assert _float8_layers(ref) == _float8_layers(model) == [1, 2, 3, 4, 5, 6]
+    assert bmt.wrap(model, fp8=bmt.Float8(emulated)) is model
+    with pytest.raises(ValueError, match="already wrapped"):
+        bmt.wrap(model, fp8=bmt.Float8(emulated, keep_ends=0))
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
+    for _ in range(3):
+        losses = []
+        for m, opt in zip((ref, model), opts):
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    full, expected = bmt.full_state_dict(model), ref.state_dict()
+    assert max((full[k] - expected[k]).abs().max().item() for k in expected) < 1e-5
+    everything = bmt.wrap(tiny_llama(num_hidden_layers=8), fp8=bmt.Float8(emulated, keep_ends=0))
+    assert _float8_layers(everything) == list(range(8))
+
+
+def test_fp8_refuses_ends_that_leave_no_block_in_float8_and_leaves_the_model_as_it_was():
+    model = tiny_llama(num_hidden_layers=4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"Float8\(keep_ends=2\): the model has 4 blocks, .* give keep_ends below 2"):
+        bmt.plan(model, fp8=bmt.Float8(keep_ends=2))
+    with pytest.raises(ValueError, match=r"keep_ends=-1.*give a whole number of blocks >= 0"):
+        bmt.plan(model, fp8=bmt.Float8(keep_ends=-1))
+    with pytest.raises(TypeError, match=r"Float8\(recipe=True\): the recipe is a name"):
+        bmt.plan(model, fp8=bmt.Float8(True))
+    assert not any(type(m).__name__ == "Float8Linear" for m in model.modules())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 def test_fp8_leaves_a_block_that_is_itself_a_linear_layer_as_it_is():

@@ -2,8 +2,9 @@
 
 from .adapters import HFAdapter, ModelAdapter, register_adapter
 from .convert import plan, wrap
+from .fp8 import Float8
 from .materialize import materialize
 from .plan import GroupPlan, MemoryEstimate, WrapPlan
 
-__all__ = ["GroupPlan", "HFAdapter", "MemoryEstimate", "ModelAdapter", "WrapPlan", "materialize", "plan",
+__all__ = ["Float8", "GroupPlan", "HFAdapter", "MemoryEstimate", "ModelAdapter", "WrapPlan", "materialize", "plan",
            "register_adapter", "wrap"]

@@ -439,7 +439,9 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
             ``"tensorwise"`` recipe), ``"rowwise"``, ``"rowwise_with_gw_hp"``, or a torchao
             ``Float8LinearConfig``: the blocks' linear layers compute in float8 (torchao's float8
             training, dynamic scaling); weights, gradients, optimizer state and checkpoints keep the
-            model's dtype, and everything outside the blocks (embeddings, output projection) too.
+            model's dtype, and everything outside the blocks (embeddings, output projection) too. The
+            first and last 2 blocks stay in the model's dtype too (at most a quarter of the blocks; it
+            keeps float8's loss near bf16's); ``bmtwrap.Float8(recipe, keep_ends=N)`` sets that number.
             Needs a GPU with float8 tensor cores (H100, H200, L4, ...) and torchao
             (``pip install 'bmtwrap[fp8]'``). See [Note: float8 blocks] in ``bmtwrap/wrap/fp8.py``.
 
