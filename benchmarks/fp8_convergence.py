@@ -1,14 +1,22 @@
 """Does ``wrap(fp8=...)`` train as well as bf16? A 1B Llama on real text, the same batches in both runs.
 
-    torchrun --nproc_per_node=1 benchmarks/fp8_convergence.py --fp8 off --out bf16.json
-    torchrun --nproc_per_node=1 benchmarks/fp8_convergence.py --fp8 tensorwise --out fp8.json
-    python benchmarks/fp8_convergence.py --plot bf16.json fp8.json --png benchmarks/fp8_convergence.png
+    for seed in 0 1 2; do
+      torchrun --nproc_per_node=1 benchmarks/fp8_convergence.py --fp8 off --seed $seed --out bf16_$seed.json
+      torchrun --nproc_per_node=1 benchmarks/fp8_convergence.py --fp8 tensorwise --seed $seed --out ends_$seed.json
+      torchrun --nproc_per_node=1 benchmarks/fp8_convergence.py --fp8 tensorwise --keep-ends 0 --seed $seed \
+          --out every_$seed.json
+    done
+    python benchmarks/fp8_convergence.py --plot bf16_*.json ends_*.json every_*.json --png benchmarks/fp8_convergence.png
+
+(``--fp8 tensorwise`` alone keeps wrap's default: the first and last 2 blocks in bf16; ``--keep-ends 0`` puts
+every block in float8.)
 
 The corpus is built here, from text every Python installation carries: the standard library's source
 files (code, docstrings and comments), read in sorted order as UTF-8 bytes, one byte a token (a
 vocabulary of 256). The last 5 % of the files are held out. Each step draws ``--batch`` windows of
 ``--seq`` bytes at random offsets from the training files, with one generator seeded alike in
-every run, so runs that differ only in ``--fp8`` see the same tokens in the same order. The model is
+every run, so runs that differ only in ``--fp8`` see the same tokens in the same order (``--seed`` sets the
+initial weights alone). The model is
 train_llama's ``1b`` shape with the byte vocabulary (0.97 B parameters), trained with bmtwrap's defaults
 (``checkpoint="auto"``, compiled blocks), AdamW at ``--lr`` with a linear warmup and a cosine decay to a
 tenth, the global gradient norm clipped to 1.
@@ -23,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import sys
 import sysconfig
@@ -69,7 +78,7 @@ def train(args: argparse.Namespace) -> None:
     from bmtwrap.wrap.convert import wrapped_record
     from train_llama import SIZES, compiled_blocks
 
-    ctx = bmt.init_distributed(seed=0)
+    ctx = bmt.init_distributed(seed=args.seed)
     train_bytes, held_bytes = corpus(args.corpus)
     bmt.print_rank(f"corpus: {train_bytes.numel() / 1e6:.1f} M training bytes, {held_bytes.numel() / 1e6:.2f} M "
                    f"held out, from {args.corpus}", flush=True)
@@ -77,7 +86,8 @@ def train(args: argparse.Namespace) -> None:
                                       max_position_embeddings=max(args.seq, 128), attn_implementation="sdpa")
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-    model = bmt.materialize(bmt.wrap(model, fp8=False if args.fp8 == "off" else args.fp8))
+    fp8 = False if args.fp8 == "off" else bmt.Float8(args.fp8, keep_ends=args.keep_ends)
+    model = bmt.materialize(bmt.wrap(model, fp8=fp8))
     optimizer = bmt.optim.auto_adam(model.parameters(), lr=args.lr, weight_decay=0.1)
     manager = bmt.optim.OptimManager()
     manager.add_optimizer(optimizer)
@@ -91,7 +101,7 @@ def train(args: argparse.Namespace) -> None:
         model.train()
         return torch.stack(losses).mean().item()  # the same windows on every rank
 
-    log: Dict[str, Any] = dict(fp8=args.fp8, size=args.size, world=ctx.world_size, batch=args.batch, seq=args.seq,
+    log: Dict[str, Any] = dict(fp8=args.fp8, keep_ends=args.keep_ends, seed=args.seed, size=args.size, world=ctx.world_size, batch=args.batch, seq=args.seq,
                                lr=args.lr, steps=args.steps, train_loss=[], held_out=[], step_s=[])
     model.train()
     for step in range(args.steps):
@@ -127,7 +137,17 @@ def smooth(values: List[float], width: int = 25) -> List[float]:
     return [statistics.fmean(values[max(0, i - width + 1) : i + 1]) for i in range(len(values))]
 
 
+def label(run: Dict[str, Any]) -> str:
+    """The compute a run used: bf16, or the float8 recipe and the blocks it left in bf16 (from wrap's plan line)."""
+    if run["fp8"] == "off":
+        return "bf16"
+    ends = re.search(r"first and last (\d+ blocks|block)", run.get("fp8_plan") or "")
+    return f"float8 {run['fp8']}, " + (f"the first and last {ends.group(1)} in bf16" if ends else "every block")
+
+
 def plot(paths: List[Path], png: Path) -> None:
+    """Runs of the same compute (seeds) drawn as their mean, shaded from the lowest to the highest; the first
+    compute named is the baseline of the printed gaps (each seed against the baseline's run of that seed)."""
     try:
         import matplotlib
     except ImportError:
@@ -135,28 +155,41 @@ def plot(paths: List[Path], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [json.loads(p.read_text()) for p in paths]
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for run in runs:
-        label = "bf16" if run["fp8"] == "off" else f"float8 ({run['fp8']})"
-        ax.plot(range(1, len(run["train_loss"]) + 1), smooth(run["train_loss"]), label=f"{label}, training (mean of 25)")
-        steps, losses = zip(*run["held_out"])
-        ax.plot(steps, losses, "o--", label=f"{label}, held out")
-    first = runs[0]
-    ax.set(xlabel="step", ylabel="loss (nats per byte)", ylim=(0, None),
+    groups: Dict[str, List[Dict[str, Any]]] = {}
+    for p in paths:
+        run = json.loads(p.read_text())
+        groups.setdefault(label(run), []).append(run)
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for name, runs in groups.items():
+        curves = list(zip(*(smooth(run["train_loss"]) for run in runs)))
+        steps = range(1, len(curves) + 1)
+        line, = ax.plot(steps, [statistics.fmean(c) for c in curves],
+                        label=f"{name}: training ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
+        if len(runs) > 1:
+            ax.fill_between(steps, [min(c) for c in curves], [max(c) for c in curves], color=line.get_color(), alpha=0.2)
+        held = list(zip(*(run["held_out"] for run in runs)))
+        ax.plot([h[0][0] for h in held], [statistics.fmean(x[1] for x in h) for h in held], "o--",
+                color=line.get_color(), label=f"{name}: held out")
+    first = next(iter(groups.values()))[0]
+    ax.set(xlabel="step", ylabel="loss (nats per byte)", xlim=(100, None), ylim=(0.65, 1.6),
            title=f"{first['size']} Llama, {first['world']} x {first['batch']} x {first['seq']} bytes per step, "
-                 f"{first.get('device', '')}")
+                 f"{first.get('device', '')}\nmeans over seeds (training smoothed over 25 steps; shaded: lowest to highest)")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
-    base = runs[0]
-    for run in runs:
-        tail = statistics.fmean(run["train_loss"][-50:])
-        gap = tail / statistics.fmean(base["train_loss"][-50:]) - 1
-        held = run["held_out"][-1][1]
-        print(f"{run['fp8']:>12}: training loss (last 50 steps) {tail:.4f} ({gap:+.2%} against {base['fp8']}), "
-              f"held-out {held:.4f} ({held / base['held_out'][-1][1] - 1:+.2%}), {run['tok_s_gpu']:,.0f} tokens/s/GPU")
+    base_name, base_runs = next(iter(groups.items()))
+    tail = {name: {run.get("seed", 0): statistics.fmean(run["train_loss"][-50:]) for run in runs}
+            for name, runs in groups.items()}
+    held = {name: {run.get("seed", 0): run["held_out"][-1][1] for run in runs} for name, runs in groups.items()}
+    for name in groups:
+        gaps = [tail[name][s] / tail[base_name][s] - 1 for s in tail[name] if s in tail[base_name]]
+        mean_tail, mean_held = statistics.fmean(tail[name].values()), statistics.fmean(held[name].values())
+        print(f"{name}: training loss (last 50 steps) {mean_tail:.4f} "
+              f"({mean_tail / statistics.fmean(tail[base_name].values()) - 1:+.2%} against {base_name}; by seed "
+              f"{', '.join(f'{g:+.1%}' for g in gaps)}), held-out {mean_held:.4f} "
+              f"({mean_held / statistics.fmean(held[base_name].values()) - 1:+.2%}), seeds {sorted(tail[name])}, "
+              f"{statistics.fmean(run['tok_s_gpu'] for run in groups[name]):,.0f} tokens/s/GPU")
     print(f"wrote {png}")
 
 
@@ -169,6 +202,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--keep-ends", type=int, default=None, metavar="N",
+                        help="bmtwrap.Float8(keep_ends=N): blocks at each end left in bf16 (default: wrap's, 2)")
+    parser.add_argument("--seed", type=int, default=0, help="the initial weights' seed (the batches are drawn alike)")
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--corpus", type=Path, default=Path(sysconfig.get_paths()["stdlib"]),
                         help="a folder whose .py files are the text (default: the standard library's)")

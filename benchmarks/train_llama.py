@@ -204,6 +204,8 @@ def main() -> None:
     parser.add_argument("--fp8", default="off", choices=["off", "tensorwise", "rowwise", "rowwise_with_gw_hp"],
                         help="wrap(fp8=...): the blocks' linear layers in float8 (torchao); MFU stays counted "
                              "against the bf16 peak")
+    parser.add_argument("--fp8-keep-ends", type=int, default=None, metavar="N",
+                        help="bmtwrap.Float8(keep_ends=N): blocks at each end left in bf16 (default: wrap's, 2)")
     parser.add_argument("--zero-level", type=int, default=3, choices=[2, 3])
     parser.add_argument("--attention", default="auto", choices=["auto", "torch", "cudnn", "flash", "efficient"],
                         help="the blocks' attention kernel (bmtwrap.wrap.attention.PREFERENCE): auto is cuDNN first on "
@@ -252,7 +254,7 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     checkpoint = {"true": True, "false": False, "auto": "auto"}[args.checkpoint]
     compile_option = {"true": True, "false": False, "auto": "auto"}[args.compile]
-    fp8 = False if args.fp8 == "off" else args.fp8
+    fp8 = False if args.fp8 == "off" else bmt.Float8(args.fp8, keep_ends=args.fp8_keep_ends)
     # What bmtwrap.plan predicts for this run, printed beside the measured peak.
     offload_params = {"true": True, "false": False}.get(args.offload_params, "auto")
     # The plan for the card (or the budget): with --optimizer auto it shows what auto_adam will decide.
