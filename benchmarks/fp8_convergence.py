@@ -101,7 +101,8 @@ def train(args: argparse.Namespace) -> None:
         model.train()
         return torch.stack(losses).mean().item()  # the same windows on every rank
 
-    log: Dict[str, Any] = dict(fp8=args.fp8, keep_ends=args.keep_ends, seed=args.seed, size=args.size, world=ctx.world_size, batch=args.batch, seq=args.seq,
+    log: Dict[str, Any] = dict(fp8=args.fp8, keep_ends=args.keep_ends, seed=args.seed, size=args.size,
+                               world=ctx.world_size, batch=args.batch, seq=args.seq,
                                lr=args.lr, steps=args.steps, train_loss=[], held_out=[], step_s=[])
     model.train()
     for step in range(args.steps):
@@ -166,14 +167,16 @@ def plot(paths: List[Path], png: Path) -> None:
         line, = ax.plot(steps, [statistics.fmean(c) for c in curves],
                         label=f"{name}: training ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
         if len(runs) > 1:
-            ax.fill_between(steps, [min(c) for c in curves], [max(c) for c in curves], color=line.get_color(), alpha=0.2)
+            ax.fill_between(steps, [min(c) for c in curves], [max(c) for c in curves], color=line.get_color(),
+                            alpha=0.2)
         held = list(zip(*(run["held_out"] for run in runs)))
         ax.plot([h[0][0] for h in held], [statistics.fmean(x[1] for x in h) for h in held], "o--",
                 color=line.get_color(), label=f"{name}: held out")
     first = next(iter(groups.values()))[0]
     ax.set(xlabel="step", ylabel="loss (nats per byte)", xlim=(100, None), ylim=(0.65, 1.6),
            title=f"{first['size']} Llama, {first['world']} x {first['batch']} x {first['seq']} bytes per step, "
-                 f"{first.get('device', '')}\nmeans over seeds (training smoothed over 25 steps; shaded: lowest to highest)")
+                 f"{first.get('device', '')}\nmeans over seeds (training smoothed over 25 steps; "
+                 "shaded: lowest to highest)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()

@@ -47,7 +47,8 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-__all__ = ["FP8_RECIPES", "Float8", "Float8Choice", "check_device", "convert_blocks", "describe", "float8_choice", "float8_linears"]
+__all__ = ["FP8_RECIPES", "Float8", "Float8Choice", "check_device", "convert_blocks", "describe", "float8_choice",
+           "float8_linears"]
 
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
