@@ -71,6 +71,14 @@ def test_wrap_sets_up_the_tensor_parallel_groups(layouts):
     assert found["loss"] < CLOSE
 
 
+def test_blocks_compile_with_their_collectives_and_train_as_the_unwrapped_model(layouts):
+    """A block's colwise layers share one copy of their input (found by identity as the block is traced): a check
+    that dynamo cannot trace would leave every block in eager mode."""
+    found = result(layouts["tp2"], "compiled")
+    assert found["compiled"] and all(found["compiled"]), found["compiled"]
+    assert max(found["losses"]) < CLOSE and found["param_max_abs"] < CLOSE, found
+
+
 def test_colwise_layers_share_one_all_reduce_of_their_input_gradient(layouts):
     found = result(layouts["tp2_zero2"], "input_copies")
     # q, k, v share one; gate and up another (not 5 a layer); one more for the LM head's weight, whose gradient the

@@ -291,21 +291,24 @@ class _WholeInputs:
     """The colwise layers that read one whole input (an attention's q, k and v; an MLP's gate and up) share one
     ``copy_whole`` of it: backward then sums their partial input gradients over the group with one all-reduce,
     not one each (Megatron's ``f`` before the attention and the MLP). The last input is remembered by a weak
-    reference and its version (an in-place change makes it another input); the copy it holds keeps that one
-    activation alive until the next colwise call."""
+    reference; the copy it holds keeps that one activation alive until the next colwise call.
+
+    The input's identity is the whole test, not its version too: a compiled block traces this code, and
+    ``torch.compile`` cannot guard on a tensor's version (the block then ran in eager mode). An input changed in
+    place between two of its colwise layers fails anyway: the first layer saved it for backward."""
 
     def __init__(self) -> None:
-        self._last: Optional[Tuple["weakref.ref[torch.Tensor]", int, torch.Tensor]] = None
+        self._last: Optional[Tuple["weakref.ref[torch.Tensor]", torch.Tensor]] = None
 
     def copy(self, x: torch.Tensor) -> torch.Tensor:
         if not (torch.is_grad_enabled() and x.requires_grad):
             self._last = None
             return x  # no gradient flows back: copy_whole would be the identity
         last = self._last
-        if last is not None and last[0]() is x and last[1] == x._version:
-            return last[2]
+        if last is not None and last[0]() is x:
+            return last[1]
         copied = copy_whole(x)
-        self._last = (weakref.ref(x), x._version, copied)
+        self._last = (weakref.ref(x), copied)
         return copied
 
 
