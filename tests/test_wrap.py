@@ -487,6 +487,7 @@ def test_fp8_keeps_the_blocks_at_both_ends_in_the_model_dtype_and_trains_like_th
     assert bmt.plan(tiny_llama(num_hidden_layers=4), fp8=bmt.Float8("rowwise", keep_ends=1)).fp8 == (
         "rowwise: 14 of the blocks' 28 linear layers in float8 (the first and last block in the model's dtype)")
     plain = tiny_llama(num_hidden_layers=8)
+
     def middle(module: nn.Module, fqn: str) -> bool:  # blocks 1 to 6 of 8
         return any(f".layers.{i}." in f".{fqn}" for i in range(1, 7))
 
