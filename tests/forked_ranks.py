@@ -23,11 +23,16 @@ import time
 from typing import Dict, List, Optional
 
 import torch
+import torch._dynamo  # noqa: F401  (bmtwrap.init_distributed imports it: once, in the fork server)
 
 import bmtwrap  # noqa: F401  (loaded once, in the fork server)
 
 _CONTEXT = multiprocessing.get_context("forkserver")
-_CONTEXT.set_forkserver_preload([__name__])
+# The fork server imports its preload by name, each module's ImportError ignored, and starts with this process's
+# environment but not its sys.path (Python 3.11 passes sys_path to the server, which drops it): under pytest,
+# which puts tests/ on sys.path itself, this module is not found there. torch, torch._dynamo and bmtwrap, named
+# first, are (installed); this module then loads in each rank at its start, the heavy modules already there.
+_CONTEXT.set_forkserver_preload(["torch", "torch._dynamo", "bmtwrap", __name__])
 
 
 def _run_script(script: str, args: List[str], env: Dict[str, str], stdout: str, stderr: str) -> None:
