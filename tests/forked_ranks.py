@@ -92,3 +92,17 @@ class ForkedScript:
             os.kill(self.pid, signal.SIGKILL)
         except ProcessLookupError:  # it has ended already
             pass
+
+
+def first_line(process: ForkedScript, path: str) -> str:
+    """The first line written to the file ``path`` (``process``'s stdout), once it is whole, with its newline; ``""``
+    when the process ended without writing one (as ``readline()`` on a pipe from it would return)."""
+    while True:
+        ended = process.returncode is not None  # before reading: a line written just before the exit is seen
+        with open(path) as f:
+            text = f.read()
+        if "\n" in text:
+            return text[:text.index("\n") + 1]
+        if ended:
+            return ""
+        time.sleep(0.01)

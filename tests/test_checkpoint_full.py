@@ -7,8 +7,6 @@ need no second rank, and the killed save, run here in a world of one.
 
 import os
 import signal
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import torch
 from torch import nn
 
 import bmtwrap as bmt
+from forked_ranks import ForkedScript, first_line
 from launch import ROOT, TESTS, run_cases
 
 FORMATS = [".pt", ".safetensors"]
@@ -301,16 +300,21 @@ def test_killed_save_leaves_the_previous_complete_file(tmp_path, suffix):
     path = tmp_path / f"model{suffix}"
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, str(TESTS / "dist_cases" / "checkpoint_full.py"), "-", "save_loop",
-                             str(path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    out, err = logs / "stdout", logs / "stderr"
+    out.write_text(""), err.write_text("")
+    # `python checkpoint_full.py - save_loop PATH`, forked from a server that has imported torch and bmtwrap.
+    proc = ForkedScript(str(TESTS / "dist_cases" / "checkpoint_full.py"), ["-", "save_loop", str(path)], env,
+                        str(out), str(err))
     try:
-        line = proc.stdout.readline().split()  # "mid-write <i>": save i has written 2 of its 4 tensors
-        assert line[:1] == ["mid-write"], proc.stderr.read()
+        line = first_line(proc, str(out)).split()  # "mid-write <i>": save i has written 2 of its 4 tensors
+        assert line[:1] == ["mid-write"], err.read_text()
         temporary = [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
-        proc.send_signal(signal.SIGKILL)
+        proc.kill()
         proc.wait(timeout=30)
     finally:
-        if proc.poll() is None:
+        if proc.returncode is None:
             proc.kill()
             proc.wait()
     assert proc.returncode == -signal.SIGKILL

@@ -14,8 +14,9 @@ limits loss relative 1e-5 and parameters absolute 1e-5, as in test_parity.py (me
 1e-7 for both). A resharding bug moves values by O(1) and fails the bit-equal checks first.
 
 In this process (a world of one): argument errors, damaged indexes, a bf16 model's fp32 master.
-The kill test runs a save loop (63 MB of state) in a subprocess and SIGKILLs it at three moments
-of a save; the folder must then load, with every value from one complete save.
+The kill test runs a save loop (63 MB of state) in a process of its own (forked with torch and bmtwrap
+loaded, tests/forked_ranks.py) and SIGKILLs it at three moments of a save; the folder must then load,
+with every value from one complete save.
 """
 
 from __future__ import annotations
@@ -23,9 +24,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import subprocess
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,6 +35,7 @@ from torch import nn
 
 import bmtwrap as bmt
 from bmtwrap.checkpoint.sharded import load_checkpoint, save_checkpoint
+from forked_ranks import ForkedScript, first_line
 from gpt_model import ShardedGPT
 from launch import ROOT, TESTS, run_cases
 
@@ -307,23 +306,30 @@ STAGES: Dict[str, Callable[[List[str]], bool]] = {
 
 
 @contextmanager
-def _kill_script(mode: str, *args: Path, log: Path) -> Iterator[subprocess.Popen]:
-    """The kill script running in ``mode``; killed (if still running) when the block ends."""
+def _kill_script(mode: str, *args: Path, log: Path) -> Iterator[ForkedScript]:
+    """The kill script running in ``mode`` as ``python KILL_SCRIPT mode args...``, forked from a server that has
+    imported torch and bmtwrap (a fresh interpreter spent seconds importing them), its stderr to ``log`` and its
+    stdout beside it; killed (if still running) when the block ends."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS)]))
-    with open(log, "w") as errors:
-        proc = subprocess.Popen([sys.executable, str(KILL_SCRIPT), mode, *map(str, args)], env=env,
-                                stdout=subprocess.PIPE, stderr=errors, text=True)
-        try:
-            yield proc
-        finally:
+    out = _stdout(log)
+    out.write_text("")
+    log.write_text("")
+    proc = ForkedScript(str(KILL_SCRIPT), [mode, *map(str, args)], env, str(out), str(log))
+    try:
+        yield proc
+    finally:
+        if proc.returncode is None:
             proc.kill()
-            proc.wait()
-            proc.stdout.close()
+        proc.wait()
 
 
-def _found(proc: subprocess.Popen, log: Path) -> dict:
+def _stdout(log: Path) -> Path:
+    return log.with_name(log.name + ".stdout")
+
+
+def _found(proc: ForkedScript, log: Path) -> dict:
     """The first line the script prints: what the folder held when it started."""
-    line = proc.stdout.readline()
+    line = first_line(proc, str(_stdout(log)))
     if not line:
         proc.wait()
         raise AssertionError(f"the kill script failed before reporting:\n{log.read_text()[-4000:]}")
@@ -334,18 +340,18 @@ def _progress(path: Path) -> int:
     return int(path.read_text()) if path.exists() else 0
 
 
-def _kill_during(proc: subprocess.Popen, folder: Path, progress: Path, start: int,
+def _kill_during(proc: ForkedScript, folder: Path, progress: Path, start: int,
                  appears: Callable[[List[str]], bool], log: Path) -> None:
     """Let one save complete (it removes the previous kill's strays), then SIGKILL at the moment ``appears``."""
     deadline = time.monotonic() + 120
     while _progress(progress) <= start:
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+        assert proc.returncode is None and time.monotonic() < deadline, log.read_text()[-4000:]
         time.sleep(0.01)
     names: List[str] = []
     while not appears(names):  # no sleep: the moments last milliseconds
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+        assert proc.returncode is None and time.monotonic() < deadline, log.read_text()[-4000:]
         names = os.listdir(folder)
-    proc.send_signal(signal.SIGKILL)
+    proc.kill()
     proc.wait()
 
 
