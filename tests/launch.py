@@ -56,16 +56,16 @@ class _PortTaken(Exception):
     pass
 
 
-def launch(script: str, world_size: int, out: Path, args: tuple, timeout: int,
+def launch(script: str, world_size: int, out: Optional[Path], args: tuple, timeout: int,
            runner: Optional[str] = None, wrapper: Sequence[str] = (),
            env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
     """Run ``tests/dist_cases/<script> OUT ARGS...`` under torchrun on ``world_size`` processes (the whole
     command after ``wrapper``, e.g. ``unshare ...``); return the finished launcher's process (its exit
-    status and output), whatever it is."""
+    status and output), whatever it is. ``out`` None: no OUT, the script's own arguments alone."""
     cmd = [*wrapper, 
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}",
         "--master_addr=127.0.0.1", f"--master_port={_free_port()}", *(["-m", runner] if runner else []),
-        str(TESTS / "dist_cases" / script), str(out), *args,
+        str(TESTS / "dist_cases" / script), *_arguments(out, args),
     ]
     return subprocess.run(cmd, env=_environment(env), capture_output=True, text=True, timeout=timeout)
 
@@ -123,16 +123,21 @@ class _ForkServer:
 _FORK_SERVER = _ForkServer()
 
 
-def run_job(script: str, world_size: int, out: Path, args: tuple, timeout: int, runner: Optional[str] = None,
-            env: Optional[Dict[str, str]] = None) -> Tuple[int, str]:
+def run_job(script: str, world_size: int, out: Optional[Path], args: tuple, timeout: int,
+            runner: Optional[str] = None, env: Optional[Dict[str, str]] = None) -> Tuple[int, str]:
     """Run ``tests/dist_cases/<script> OUT ARGS...`` on ``world_size`` ranks, forked from the fork server or
     under torchrun (see the module's docstring); its exit status, non-zero when a rank failed, and the
-    ranks' output."""
+    ranks' output. ``script`` may be an absolute path (a program outside tests/dist_cases/); ``out`` None:
+    no OUT, for a program that takes only its own arguments."""
     if _forks():
         return _FORK_SERVER.run({"script": str(TESTS / "dist_cases" / script), "world_size": world_size,
-                                 "args": [str(out), *args], "runner": runner, "env": _environment(env)}, timeout)
+                                 "args": _arguments(out, args), "runner": runner, "env": _environment(env)}, timeout)
     proc = launch(script, world_size, out, args, timeout, runner, env=env)
     return proc.returncode, proc.stdout + proc.stderr
+
+
+def _arguments(out: Optional[Path], args: Sequence[str]) -> list:
+    return [*([str(out)] if out is not None else []), *args]
 
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
