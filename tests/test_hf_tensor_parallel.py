@@ -28,13 +28,14 @@ def result(results, name):
     return case(results, name)[1]
 
 
-@pytest.mark.parametrize("layout,model", [("tp2_zero2", "training"), ("tp2", "training"), ("tp2_zero2", "qwen3")])
+@pytest.mark.parametrize("layout,model", [("tp2_zero2", "training"), ("tp2", "training"), ("tp2_zero2", "qwen3"),
+                                          ("tp2", "compiled")])
 def test_training_matches_the_unwrapped_model(layouts, layout, model):
     found = result(layouts[layout], model)
     assert len(found["losses"]) == 3 and max(found["losses"]) < CLOSE, found["losses"]
     assert found["grads"]["shapes"] == [] and found["grads"]["max_abs"] < CLOSE
     assert found["grads"]["norm"] < CLOSE  # clipping's norm counts each slice once
-    if model == "training":  # the Llama: the padding id's row, held by one rank of the group, gets no gradient
+    if model != "qwen3":  # the Llama: the padding id's row, held by one rank of the group, gets no gradient
         assert found["grads"]["padding_row"] == 0.0
     assert found["shapes"] == [] and found["keys_match"] and found["param_max_abs"] < CLOSE, found
     assert found["moved"] > 100 * CLOSE  # the parameters did change
@@ -71,12 +72,11 @@ def test_wrap_sets_up_the_tensor_parallel_groups(layouts):
     assert found["loss"] < CLOSE
 
 
-def test_blocks_compile_with_their_collectives_and_train_as_the_unwrapped_model(layouts):
+def test_blocks_compile_with_their_collectives(layouts):
     """A block's colwise layers share one copy of their input (found by identity as the block is traced): a check
     that dynamo cannot trace would leave every block in eager mode."""
-    found = result(layouts["tp2"], "compiled")
+    found = result(layouts["tp2"], "compiled")  # its training is checked with the others' above
     assert found["compiled"] and all(found["compiled"]), found["compiled"]
-    assert max(found["losses"]) < CLOSE and found["param_max_abs"] < CLOSE, found
 
 
 def test_colwise_layers_share_one_all_reduce_of_their_input_gradient(layouts):

@@ -74,11 +74,15 @@ def qwen3() -> nn.Module:
         head_dim=8, vocab_size=VOCAB, tie_word_embeddings=True, pad_token_id=40, attn_implementation="eager"))
 
 
-def training(make: Callable[[], nn.Module] = llama) -> Dict[str, Any]:
+def training(make: Callable[[], nn.Module] = llama, **options: Any) -> Dict[str, Any]:
+    """Training, gradients, generate() and the state against the unwrapped model; ``options`` go to wrap (with
+    ``compile=True``, whether every block runs compiled: traced as one graph with its layers' collectives, not in
+    eager mode after a failed trace)."""
     ref, model = make(), make()
     planned = bmt.plan(model, tp_size=TP).memory.params
     plan_left_it = all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
-    model = bmt.wrap(model, tp_size=TP)
+    model = bmt.wrap(model, tp_size=TP, **options)
+    bodies = [m.forward.compiled_body for m in model.modules() if hasattr(m.forward, "block_runner")]
     ids = batch()
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS, weight_decay=0.01)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.01)
@@ -110,7 +114,8 @@ def training(make: Callable[[], nn.Module] = llama) -> Dict[str, Any]:
             "held": held(model), "plan": [planned, shard_bytes(model), plan_left_it],
             "config": {k: getattr(model.config, k) for k in ("hidden_size", "intermediate_size", "num_attention_heads",
                                                               "num_key_value_heads", "head_dim", "vocab_size")},
-            "generated": generated, **max_abs_diff(state, want)}
+            "generated": generated, "compiled": [body is not None and not body.is_eager() for body in bodies],
+            **max_abs_diff(state, want)}
 
 
 def shard_bytes(model: nn.Module) -> int:
@@ -206,28 +211,6 @@ def input_copies() -> Dict[str, Any]:
     return {"copies": copies, "layers": model.config.num_hidden_layers}
 
 
-def compiled() -> Dict[str, Any]:
-    """wrap(tp_size=TP, compile=True): each block traces as one graph with its layers' collectives, runs compiled (not
-    in eager mode after a failed trace) and trains as the unwrapped model."""
-    ref, model = llama(), bmt.wrap(llama(), tp_size=TP, compile=True)
-    ids = batch()
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS, weight_decay=0.01)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.01)
-    losses = []
-    for _ in range(2):
-        step = []
-        for m, o, rows in ((ref, opt_ref, ids), (model, opt, share(ids))):
-            loss = m(input_ids=rows, labels=rows).loss
-            loss.backward()
-            o.step()
-            o.zero_grad()
-            step.append(loss.detach())
-        losses.append(max_rel(bmt.sum_loss(step[1]).item(), step[0].item()))
-    bodies = [m.forward.compiled_body for m in model.modules() if hasattr(m.forward, "block_runner")]
-    return {"losses": losses, "compiled": [body is not None and not body.is_eager() for body in bodies],
-            **max_abs_diff(model.state_dict(), ref.state_dict())}
-
-
 def renamed() -> nn.Module:
     """The Llama inside a wrapper, as peft's PeftModel holds it: the plan's names no longer match its modules."""
     wrapper = nn.Module()
@@ -267,7 +250,7 @@ if __name__ == "__main__":
     cases = {"training": training, "checkpoints": checkpoints, "errors": errors, "qwen3": lambda: training(qwen3),
              "input_copies": input_copies}
     if TP > 1 and int(os.environ["WORLD_SIZE"]) == TP:  # one job compiles: on two cores that takes a while
-        cases["compiled"] = compiled
+        cases["compiled"] = lambda: training(compile=True)
     if TP > 1 and int(os.environ["WORLD_SIZE"]) > TP:  # wrap sets up the process group and its groups itself
         first = bmt.wrap(llama(), tp_size=TP)
         cases["set_up_by_wrap"] = lambda: set_up_by_wrap(first)
