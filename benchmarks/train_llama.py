@@ -107,10 +107,12 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, marks in KERNEL_KINDS if any(m in name for m in marks)), "other")
 
 
-def profile_step(run: Callable[[], Any]) -> Dict[str, Any]:
+def profile_step(run: Callable[[], Any], trace: Optional[str] = None) -> Dict[str, Any]:
     """One step under the profiler: the share of its time some compute kernel ran on the GPU, the share
     a host-device copy ran, the longest gap with no kernel at all, and the communication: the time NCCL's
-    kernels of each kind ran, and the share of it some compute kernel ran beside (hidden behind compute)."""
+    kernels of each kind ran, and the share of it some compute kernel ran beside (hidden behind compute).
+    With ``trace``, the step's timeline is also written there (Chrome's trace format, gzipped if the name ends
+    in .gz)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -120,6 +122,8 @@ def profile_step(run: Callable[[], Any]) -> Dict[str, Any]:
         run()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
+    if trace:
+        prof.export_chrome_trace(trace)
     copies, kernels, comms = [], [], {}
     for e in prof.events():
         if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
@@ -195,6 +199,9 @@ def main() -> None:
     parser.add_argument("--checkpoint", default="true", choices=["true", "false", "auto"])
     parser.add_argument("--compile", default="auto", choices=["true", "false", "auto"],
                         help="wrap(compile=...): torch.compile each block's forward")
+    parser.add_argument("--compile-options", default=None, metavar="JSON",
+                        help='wrap(compile={...}): torch.compile\'s options for the blocks, e.g. '
+                             '\'{"options": {"combo_kernels": true}}\' (instead of --compile)')
     parser.add_argument("--keep-logits", action="store_true",
                         help="wrap(keep_logits=True): transformers' loss over the whole fp32 logits")
     parser.add_argument("--loss-peak", action="store_true",
@@ -236,6 +243,9 @@ def main() -> None:
                         help="keep parameter shards in host memory too (wrap(offload_params=...); default auto)")
     parser.add_argument("--profile", action="store_true",
                         help="profile one more step after the timed ones and report how busy the GPU was")
+    parser.add_argument("--trace", default=None, metavar="PATH",
+                        help="with --profile: write the profiled step's timeline there (Chrome's format; rank 0, "
+                             "gzipped when PATH ends in .gz)")
     parser.add_argument("--auto-headroom", type=float, default=None,
                         help="share of the GPU that offload_fraction='auto' leaves free (default: the optimizer's)")
     args = parser.parse_args()
@@ -254,6 +264,8 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     checkpoint = {"true": True, "false": False, "auto": "auto"}[args.checkpoint]
     compile_option = {"true": True, "false": False, "auto": "auto"}[args.compile]
+    if args.compile_options:
+        compile_option = json.loads(args.compile_options)
     fp8 = False if args.fp8 == "off" else bmt.Float8(args.fp8, keep_ends=args.fp8_keep_ends)
     # What bmtwrap.plan predicts for this run, printed beside the measured peak.
     offload_params = {"true": True, "false": False}.get(args.offload_params, "auto")
@@ -333,7 +345,8 @@ def main() -> None:
                    cpu_adam_melem_s=round(stats["elements"] / max(stats["adam_s"], 1e-9) / 1e6, 1))
     moved = {op: dict(calls=calls // args.steps, gb=round(sent / args.steps / 1e9, 3))
              for op, (calls, sent) in traffic(ctx).items()}  # per step, each rank's share sent
-    busy = profile_step(lambda: step(model, optimizer, ids, manager, args.clip)) if args.profile else {}
+    trace = args.trace if ctx.rank == 0 else None
+    busy = profile_step(lambda: step(model, optimizer, ids, manager, args.clip), trace) if args.profile else {}
     if not math.isfinite(loss.item()):
         raise SystemExit(f"the loss is {loss.item()} after {args.warmup + args.steps} steps: training is broken, "
                          "the timings mean nothing")
