@@ -52,6 +52,13 @@ def test_a_layer_reading_another_blocks_parameter_runs_eagerly_on_every_rank(res
     assert r["loss_max_rel"] <= 1e-6 and r["grad_max_abs"] <= 1e-6 and r["param_max_abs"] <= 1e-6, r
 
 
+def test_the_check_for_other_blocks_parameters_costs_nothing_once_compiled(results):
+    """The torch-function mode around a compiled block checks the calls while dynamo traces them; the compiled
+    code's own torch calls pass straight through (each check cost host time that a fast GPU waited for)."""
+    world, r = case(results, "compiled_checks_when_traced")
+    assert r["mode_calls"] > 0 and r["lookups"] == 0, f"world {world}: {r}"
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_loss_without_logits_matches_transformers(results, family):
     world, r = case(results, f"head_loss_{family}")

@@ -155,6 +155,35 @@ def compiled_cross_block() -> Dict[str, Any]:
     return result
 
 
+def compiled_checks_when_traced() -> Dict[str, Any]:
+    """The check for other blocks' parameters runs while dynamo traces a block, not each time the compiled code
+    runs: in the second step (compiled in the first), the check's torch-function mode never looks the engine up.
+    Counted by a profile function, which changes nothing dynamo guards on."""
+    import sys
+
+    from bmtwrap.engine import schedule
+    from bmtwrap.wrap import compiled as compiled_module
+
+    ref = _reference()
+    model = bmt.wrap(copy.deepcopy(ref), compile=AOT)
+    model(**_mine(_batch())).loss.backward()
+    check = compiled_module._OwnParametersOnly.__torch_function__.__code__
+    lookups, calls = [0], [0]
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is check:
+            calls[0] += 1
+        elif event == "call" and frame.f_code is schedule.engine.__code__ and frame.f_back.f_code is check:
+            lookups[0] += 1
+
+    sys.setprofile(profile)
+    try:
+        model(**_mine(_batch())).loss.backward()
+    finally:
+        sys.setprofile(None)
+    return {"mode_calls": calls[0], "lookups": lookups[0]}
+
+
 def head_loss(family: str) -> Dict[str, Any]:
     ref = _reference(family)
     model = bmt.wrap(copy.deepcopy(ref), compile=False)
@@ -183,6 +212,7 @@ CASES = {
     "compiled_lora": compiled_lora,
     "compiled_graphs_shared": compiled_graphs_shared,
     "compiled_cross_block": compiled_cross_block,
+    "compiled_checks_when_traced": compiled_checks_when_traced,
     **{f"head_loss_{family}": (lambda family=family: head_loss(family)) for family in FAMILIES},
     "head_loss_items_in_batch": head_loss_items_in_batch,
     "head_loss_kept_logits": head_loss_kept_logits,
