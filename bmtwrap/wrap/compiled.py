@@ -118,32 +118,46 @@ class ForeignParameter(RuntimeError):
 
 class _OwnParametersOnly(TorchFunctionMode):
     """Raises when a torch function receives a parameter the engine holds sharded: inside a running block its own
-    parameters are full views, so such a parameter is another block's. The check runs while dynamo traces the
-    block, and fails the compilation on every rank alike, whatever each rank's piece. When the compiled code runs,
-    the torch calls it still makes (its wrappers' views, the kernels it does not generate: matrix products,
-    attention) pass straight through: the check there cost a block's forward hundreds of microseconds of host time,
-    in which a GPU running float8 matrix products waits."""
+    parameters are full views, so such a parameter is another block's. Dynamo traces through it, so the check
+    fails the compilation on every rank alike, whatever each rank's piece. This mode checks every call: a block
+    compiled in pieces runs its graph breaks eagerly under it."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        _check_own_parameters(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+class _OwnParametersOnlyWhenTraced(TorchFunctionMode):
+    """The same check for a block compiled whole, which runs no code of the block eagerly: it runs while dynamo
+    traces the block, and the torch calls that the compiled code still makes when it runs (its wrappers' views,
+    the kernels it does not generate: matrix products, attention) pass straight through. Checking those cost a
+    compiled block's forward about 1.5 ms of host time on a two-core CPU."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():
-            lookup = engine().registry.lookup
-            for value in (*args, *kwargs.values()):
-                for item in value if isinstance(value, (list, tuple)) else (value,):
-                    if isinstance(item, nn.Parameter) and lookup(item) is not None:
-                        raise ForeignParameter(f"{getattr(func, '__name__', func)} received a sharded parameter of "
-                                               "another block")
+            _check_own_parameters(func, args, kwargs)
         return func(*args, **kwargs)
 
 
+def _check_own_parameters(func: Any, args: Any, kwargs: Dict[str, Any]) -> None:
+    lookup = engine().registry.lookup
+    for value in (*args, *kwargs.values()):
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, nn.Parameter) and lookup(item) is not None:
+                raise ForeignParameter(f"{getattr(func, '__name__', func)} received a sharded parameter of "
+                                       "another block")
+
+
 @contextlib.contextmanager
-def _same_as_in_backward() -> Iterator[None]:
+def _same_as_in_backward(whole: bool) -> Iterator[None]:
     """The same torch-function modes in forward as in the recomputation in backward: the forward's on-demand
-    mode taken off, the check for other blocks' parameters on."""
+    mode taken off, the check for other blocks' parameters on (for a block compiled ``whole``, while traced)."""
     popped = contextlib.nullcontext()
     if isinstance(_get_current_function_mode(), OnDemandGathers):
         popped = _pop_mode_temporarily()
-    with popped, _OwnParametersOnly():
+    with popped, (_OwnParametersOnlyWhenTraced() if whole else _OwnParametersOnly()):
         yield
 
 
@@ -167,7 +181,7 @@ def compiled_forward(forward: Callable[..., Any], name: str, options: Dict[str, 
             # Guards on the modules' hooks, which dynamo skips by default: a block with hooks added later (or a
             # model with hooks where another of the same class had none) compiles anew instead of running graphs
             # traced without them.
-            with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False), _same_as_in_backward():
+            with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False), _same_as_in_backward(not state["pieces"]):
                 return state["compiled"](*args, **kwargs), None
         except _NOT_COMPILATION:
             raise

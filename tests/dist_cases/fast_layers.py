@@ -157,31 +157,31 @@ def compiled_cross_block() -> Dict[str, Any]:
 
 def compiled_checks_when_traced() -> Dict[str, Any]:
     """The check for other blocks' parameters runs while dynamo traces a block, not each time the compiled code
-    runs: in the second step (compiled in the first), the check's torch-function mode never looks the engine up.
-    Counted by a profile function, which changes nothing dynamo guards on."""
+    runs: in the second step (compiled in the first), the mode around the compiled blocks sees their torch calls
+    and checks none. Counted by a profile function, which changes nothing dynamo guards on."""
     import sys
 
-    from bmtwrap.engine import schedule
     from bmtwrap.wrap import compiled as compiled_module
 
     ref = _reference()
     model = bmt.wrap(copy.deepcopy(ref), compile=AOT)
     model(**_mine(_batch())).loss.backward()
-    check = compiled_module._OwnParametersOnly.__torch_function__.__code__
-    lookups, calls = [0], [0]
+    mode = compiled_module._OwnParametersOnlyWhenTraced.__torch_function__.__code__
+    check = compiled_module._check_own_parameters.__code__
+    calls, checks = [0], [0]
 
     def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code is check:
+        if event == "call" and frame.f_code is mode:
             calls[0] += 1
-        elif event == "call" and frame.f_code is schedule.engine.__code__ and frame.f_back.f_code is check:
-            lookups[0] += 1
+        elif event == "call" and frame.f_code is check:
+            checks[0] += 1
 
     sys.setprofile(profile)
     try:
         model(**_mine(_batch())).loss.backward()
     finally:
         sys.setprofile(None)
-    return {"mode_calls": calls[0], "lookups": lookups[0]}
+    return {"mode_calls": calls[0], "checks": checks[0]}
 
 
 def head_loss(family: str) -> Dict[str, Any]:
