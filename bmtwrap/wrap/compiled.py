@@ -31,6 +31,10 @@ block, another block's: its own are full views). So a layer that reads another b
 fails to compile on every rank alike, whatever each rank's piece of that parameter, and runs in
 eager mode, where the on-demand mode gathers them. (Without that check, a rank whose piece happened
 to have the full shape would run the compiled code while the others fell back and gathered: a hang.)
+Around a block compiled whole, the mode checks only while dynamo traces: when the compiled code runs,
+its own torch calls (its wrappers' views, the matrix products and attention it does not generate) pass
+straight through. A block compiled in pieces runs its graph breaks eagerly, and there the mode checks
+every call.
 
 A block is first compiled whole (``fullgraph=True`` unless the options say otherwise): a graph
 break runs part of the block eagerly, and if a later part failed, what that part saved for
