@@ -29,7 +29,7 @@ def build_jobs() -> int:
 # The C++ sources compile side by side (pybind11's helper), as do the CUDA ones below: on two cores the build
 # took 70 s one source at a time, 46 s so.
 JOBS = build_jobs()
-ParallelCompile("BMTWRAP_BUILD_JOBS").install()
+ParallelCompile(default=JOBS).install()
 
 CPP_SOURCES = ["csrc/bind.cpp", *sorted(p.as_posix() for p in Path("csrc/cpu").glob("*.cpp"))]
 CUDA_SOURCES = sorted(p.as_posix() for p in Path("csrc/cuda").glob("*.cu"))

@@ -285,13 +285,13 @@ class FlatBuffer:
         return [self.full[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots]
 
     def owns_storage(self, tensor: torch.Tensor) -> bool:
-        # Whether ``tensor`` lies in the gathered storage: while it is allocated, no other tensor's data can start
-        # inside it. By address, not by ``untyped_storage()``, which makes a Python object: this runs for every
-        # tensor a kept block saves for backward.
+        # Whether ``tensor`` lies in the gathered storage (``full`` spans all of it): while it is allocated, no other
+        # tensor's data can start inside it. By address, not by ``untyped_storage()``, which makes a Python object:
+        # this runs for every tensor a kept block saves for backward.
         if self.state is not ShardState.GATHERED:
             return False
         start = self.full.data_ptr()
-        return start <= tensor.data_ptr() < start + self.full.untyped_storage().nbytes()
+        return start <= tensor.data_ptr() < start + self.full.nbytes
 
     def reduce_grads(self, grads: Sequence[Optional[torch.Tensor]]) -> PendingReduction:
         """Copy the full gradients into one flat buffer and start its reduce-scatter."""

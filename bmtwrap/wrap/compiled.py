@@ -126,23 +126,22 @@ class _OwnParametersOnly(TorchFunctionMode):
     fails the compilation on every rank alike, whatever each rank's piece. This mode checks every call: a block
     compiled in pieces runs its graph breaks eagerly under it."""
 
+    traced_only = False
+
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        _check_own_parameters(func, args, kwargs)
+        if not self.traced_only or torch.compiler.is_compiling():
+            _check_own_parameters(func, args, kwargs)
         return func(*args, **kwargs)
 
 
-class _OwnParametersOnlyWhenTraced(TorchFunctionMode):
+class _OwnParametersOnlyWhenTraced(_OwnParametersOnly):
     """The same check for a block compiled whole, which runs no code of the block eagerly: it runs while dynamo
     traces the block, and the torch calls that the compiled code still makes when it runs (its wrappers' views,
     the kernels it does not generate: matrix products, attention) pass straight through. Checking those cost a
     compiled block's forward about 1.5 ms of host time on a two-core CPU."""
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if torch.compiler.is_compiling():
-            _check_own_parameters(func, args, kwargs)
-        return func(*args, **kwargs)
+    traced_only = True
 
 
 def _check_own_parameters(func: Any, args: Any, kwargs: Dict[str, Any]) -> None:
