@@ -18,6 +18,7 @@ them there after backward; ``offload-in-backward`` starts each block's CPU updat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import resource
@@ -81,7 +82,12 @@ def compiled_blocks(model: torch.nn.Module) -> str:
 
 def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor,
          manager: Optional[bmt.optim.OptimManager] = None, clip: Optional[float] = None) -> torch.Tensor:
-    loss = model(input_ids=ids, labels=ids).loss
+    return finish_step(model(input_ids=ids, labels=ids).loss, optimizer, manager, clip)
+
+
+def finish_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer,
+                manager: Optional[bmt.optim.OptimManager] = None, clip: Optional[float] = None) -> torch.Tensor:
+    """The step after the forward: backward, clipping with ``manager``, the update."""
     loss.backward()
     if manager is None:
         optimizer.step()
@@ -177,6 +183,85 @@ def profile_step(run: Callable[[], Any], trace: Optional[str] = None) -> Dict[st
                 comm_by_kind={kind: hidden(spans_of(events)) for kind, events in comms.items()})
 
 
+def forward_timeline(model: torch.nn.Module, ids: torch.Tensor, run_rest: Callable[[torch.Tensor], Any],
+                     kernels: bool = False) -> Dict[str, Any]:
+    """Whether the GPU waits for the host in the forward, measured in one more step: a CUDA event and the host's
+    clock where the forward starts, at each decoder layer's start and where the forward ends. The host's lead at
+    a mark is how long after the host passed it the GPU reached it; near zero, the GPU had caught up and waited
+    for the host there. With ``kernels``, the step runs under a CUDA-only profile (kernel times from the driver,
+    no host-side recording) and also reports the share of the forward's GPU time some kernel ran.
+    ``run_rest(loss)`` finishes the step (backward, update)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    marks: List[Tuple[float, torch.cuda.Event]] = []
+
+    def mark() -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        marks.append((time.perf_counter(), event))
+
+    def timed(forward: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            mark()
+            return forward(*args, **kwargs)
+        return run
+
+    layers = list(model.model.layers)
+    forwards = [layer.forward for layer in layers]  # wrap's, on each instance
+    for layer, forward in zip(layers, forwards):
+        layer.forward = timed(forward)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) if kernels else contextlib.nullcontext() as prof:
+        torch.cuda._sleep(1000)  # markers on the kernels' timeline: the forward lies between the two sleeps
+        mark()
+        loss = model(input_ids=ids, labels=ids).loss
+        mark()
+        torch.cuda._sleep(1000)
+        run_rest(loss)
+        torch.cuda.synchronize()
+    for layer, forward in zip(layers, forwards):
+        layer.forward = forward
+    host = [t - marks[0][0] for t, _ in marks]
+    gpu = [marks[0][1].elapsed_time(e) / 1e3 for _, e in marks]
+    leads = [round(1e3 * (g - h), 2) for g, h in zip(gpu, host)]
+    out = dict(forward_gpu_s=round(gpu[-1], 4), forward_host_s=round(host[-1], 4),
+               host_lead_ms_at_layers=leads[1:-1], host_lead_ms_at_end=leads[-1])
+    if kernels:
+        events = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                        if e.device_type == torch.autograd.DeviceType.CUDA)
+        sleeps = [i for i, (_, _, name) in enumerate(events) if "spin" in name.lower() or "sleep" in name.lower()]
+        if len(sleeps) >= 2:
+            begin, end = events[sleeps[0]][1], events[sleeps[1]][0]
+            busy, reach = 0.0, begin
+            for a, b, _ in events[sleeps[0] + 1 : sleeps[1]]:
+                a, b = max(a, reach), min(b, end)
+                if b > a:
+                    busy, reach = busy + b - a, b
+            out.update(forward_kernels_s=round(busy / 1e6, 4),
+                       forward_gpu_busy_pct=round(100 * busy / max(end - begin, 1e-9), 1))
+    return out
+
+
+def host_profile(run: Callable[[], Any], path: str) -> None:
+    """One step under cProfile (the host's Python, not the GPU): the functions by their own time and by their
+    time with callees, written to ``path``."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run()
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    for order in ("tottime", "cumulative"):
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(45)
+    with open(path, "w") as f:
+        f.write(text.getvalue())
+
+
 def add_shape_arguments(parser: argparse.ArgumentParser, sizes: Dict[str, Any]) -> None:
     """The options every throughput benchmark takes: the model, the batch and the steps timed."""
     parser.add_argument("--size", default="1b", choices=sorted(sizes))
@@ -246,6 +331,10 @@ def main() -> None:
     parser.add_argument("--trace", default=None, metavar="PATH",
                         help="with --profile: write the profiled step's timeline there (Chrome's format; rank 0, "
                              "gzipped when PATH ends in .gz)")
+    parser.add_argument("--host", default=None, metavar="PATH",
+                        help="after the timed steps, measure whether the forward waits for the host (how far the "
+                             "host runs ahead of the GPU at each layer; the share of the forward the GPU ran "
+                             "kernels, from a CUDA-only profile) and write a cProfile of one step to PATH (rank 0)")
     parser.add_argument("--auto-headroom", type=float, default=None,
                         help="share of the GPU that offload_fraction='auto' leaves free (default: the optimizer's)")
     args = parser.parse_args()
@@ -347,6 +436,12 @@ def main() -> None:
              for op, (calls, sent) in traffic(ctx).items()}  # per step, each rank's share sent
     trace = args.trace if ctx.rank == 0 else None
     busy = profile_step(lambda: step(model, optimizer, ids, manager, args.clip), trace) if args.profile else {}
+    if args.host:
+        rest = lambda loss: finish_step(loss, optimizer, manager, args.clip)  # noqa: E731
+        busy.update(forward_timeline(model, ids, rest))
+        busy.update({f"profiled_{k}": v for k, v in forward_timeline(model, ids, rest, kernels=True).items()})
+        if ctx.rank == 0:
+            host_profile(lambda: step(model, optimizer, ids, manager, args.clip), args.host)
     if not math.isfinite(loss.item()):
         raise SystemExit(f"the loss is {loss.item()} after {args.warmup + args.steps} steps: training is broken, "
                          "the timings mean nothing")
