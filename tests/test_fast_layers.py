@@ -53,10 +53,10 @@ def test_a_layer_reading_another_blocks_parameter_runs_eagerly_on_every_rank(res
 
 
 def test_the_check_for_other_blocks_parameters_costs_nothing_once_compiled(results):
-    """The torch-function mode around a compiled block checks the calls while dynamo traces them; the compiled
-    code's own torch calls pass straight through (each check cost host time that a fast GPU waited for)."""
+    """The graphs are checked when compiled (the first step); the steps after run the compiled code with no check
+    and no torch-function mode around it (each call of one cost host time that a fast GPU waited for)."""
     world, r = case(results, "compiled_checks_when_traced")
-    assert r["mode_calls"] > 0 and r["checks"] == 0, f"world {world}: {r}"
+    assert r["checks"][0] > 0 and r["checks"][1] == 0 and r["mode_calls"] == [0, 0], f"world {world}: {r}"
 
 
 @pytest.mark.parametrize("family", FAMILIES)

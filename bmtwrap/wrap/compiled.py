@@ -25,16 +25,18 @@ and both are removed around the compiled call: the forward's on-demand torch-fun
 runs (dynamo guards on that stack); and dynamo's reordering of a code object's cache entries by last
 use is turned off for the process once a block is compiled, so that when a static and a
 dynamic-shape graph both fit a call, the same one is tried first in both passes. Inside a compiled
-block, the on-demand mode therefore does not see the block's code; a mode of its own, there in both
-passes, raises at tracing when a torch function receives a sharded parameter (inside a running
-block, another block's: its own are full views). So a layer that reads another block's parameters
-fails to compile on every rank alike, whatever each rank's piece of that parameter, and runs in
+block, the on-demand mode therefore does not see the block's code. Instead, the graph dynamo traces
+is checked before the backend compiles it: if one of its inputs is a sharded parameter (inside a
+running block, another block's: its own are full views), the compilation fails. So a layer that
+reads another block's parameters fails to compile on every rank alike, whatever each rank's piece of
+that parameter (a rank whose piece has the wrong shape fails earlier, while tracing), and runs in
 eager mode, where the on-demand mode gathers them. (Without that check, a rank whose piece happened
 to have the full shape would run the compiled code while the others fell back and gathered: a hang.)
-Around a block compiled whole, the mode checks only while dynamo traces: when the compiled code runs,
-its own torch calls (its wrappers' views, the matrix products and attention it does not generate) pass
-straight through. A block compiled in pieces runs its graph breaks eagerly, and there the mode checks
-every call.
+The check runs once per graph, at compilation, and adds nothing to the calls that run the compiled
+code: an earlier check, a torch-function mode around every compiled call, cost a float8 block about
+280 Python calls per forward, host time that a fast GPU waits for. A block compiled in pieces runs
+its graph breaks eagerly, and for those a mode of its own, there in both passes, checks every torch
+call.
 
 A block is first compiled whole (``fullgraph=True`` unless the options say otherwise): a graph
 break runs part of the block eagerly, and if a later part failed, what that part saved for
@@ -56,7 +58,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -122,45 +124,72 @@ class ForeignParameter(RuntimeError):
 
 class _OwnParametersOnly(TorchFunctionMode):
     """Raises when a torch function receives a parameter the engine holds sharded: inside a running block its own
-    parameters are full views, so such a parameter is another block's. Dynamo traces through it, so the check
-    fails the compilation on every rank alike, whatever each rank's piece. This mode checks every call: a block
-    compiled in pieces runs its graph breaks eagerly under it."""
-
-    traced_only = False
+    parameters are full views, so such a parameter is another block's. Around a block compiled in pieces, whose
+    graph breaks run eagerly; dynamo traces through it too, so the check fails a compilation on every rank alike."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if not self.traced_only or torch.compiler.is_compiling():
-            _check_own_parameters(func, args, kwargs)
+        _check_own_parameters(getattr(func, "__name__", func), (*args, *kwargs.values()))
         return func(*args, **kwargs)
 
 
-class _OwnParametersOnlyWhenTraced(_OwnParametersOnly):
-    """The same check for a block compiled whole, which runs no code of the block eagerly: it runs while dynamo
-    traces the block, and the torch calls that the compiled code still makes when it runs (its wrappers' views,
-    the kernels it does not generate: matrix products, attention) pass straight through. Checking those cost a
-    compiled block's forward about 1.5 ms of host time on a two-core CPU."""
-
-    traced_only = True
-
-
-def _check_own_parameters(func: Any, args: Any, kwargs: Dict[str, Any]) -> None:
+def _check_own_parameters(where: Any, values: Iterable[Any]) -> None:
     lookup = engine().registry.lookup
-    for value in (*args, *kwargs.values()):
+    for value in values:
         for item in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(item, nn.Parameter) and lookup(item) is not None:
-                raise ForeignParameter(f"{getattr(func, '__name__', func)} received a sharded parameter of "
-                                       "another block")
+                raise ForeignParameter(f"{where} received a sharded parameter of another block")
+
+
+class _CheckedBackend:
+    """The backend ``torch.compile`` would build from the blocks' options, with a check of each graph it is given:
+    no input may be another block's sharded parameter (see [Note: compiled blocks]). The check runs once per
+    graph, at compilation. One object per set of options, shared by every block: dynamo reuses a graph traced
+    for one block in another only under an equal backend."""
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        backend = options.get("backend", "inductor")
+        mode, settings, dynamic = options.get("mode"), options.get("options"), options.get("dynamic")
+        self.inner = (torch._TorchCompileInductorWrapper(mode, settings, dynamic) if backend == "inductor"
+                      else torch._TorchCompileWrapper(backend, mode, settings, dynamic))
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs: List[Any]) -> Any:
+        _check_own_parameters("the compiled block's graph", (*example_inputs, *graph.parameters()))
+        return self.inner(graph, example_inputs)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _CheckedBackend) and self.inner == other.inner
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __getattr__(self, name: str) -> Any:  # the inner backend's reset(), get_compiler_config(), compiler_name
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+_BACKENDS: Dict[str, _CheckedBackend] = {}
+
+
+def _compile(forward: Callable[..., Any], options: Dict[str, Any]) -> Callable[..., Any]:
+    """``torch.compile(forward, **options)``, its backend checking each graph for other blocks' parameters."""
+    key = repr(sorted((k, repr(v)) for k, v in options.items() if k in ("backend", "mode", "options", "dynamic")))
+    backend = _BACKENDS.get(key)
+    if backend is None:
+        backend = _BACKENDS[key] = _CheckedBackend(options)
+    rest = {k: v for k, v in options.items() if k not in ("backend", "mode", "options")}
+    return torch.compile(forward, backend=backend, **rest)
 
 
 @contextlib.contextmanager
-def _same_as_in_backward(whole: bool) -> Iterator[None]:
+def _same_as_in_backward(pieces: bool) -> Iterator[None]:
     """The same torch-function modes in forward as in the recomputation in backward: the forward's on-demand
-    mode taken off, the check for other blocks' parameters on (for a block compiled ``whole``, while traced)."""
+    mode taken off; for a block compiled in ``pieces``, the check for other blocks' parameters on."""
     popped = contextlib.nullcontext()
     if isinstance(_get_current_function_mode(), OnDemandGathers):
         popped = _pop_mode_temporarily()
-    with popped, (_OwnParametersOnlyWhenTraced() if whole else _OwnParametersOnly()):
+    with popped, (_OwnParametersOnly() if pieces else contextlib.nullcontext()):
         yield
 
 
@@ -174,7 +203,7 @@ def compiled_forward(forward: Callable[..., Any], name: str, options: Dict[str, 
     """``forward`` compiled with ``torch.compile(**options)``; in pieces when it does not trace as one graph; in
     eager mode for good when a compiled call raises and the eager call does not (see [Note: compiled blocks])."""
     _fix_cache_order()
-    state = {"compiled": torch.compile(forward, **options), "eager": False,
+    state = {"compiled": _compile(forward, options), "eager": False,
              "pieces": not options.get("fullgraph", False)}
     module = getattr(forward, "__self__", None)
 
@@ -184,7 +213,7 @@ def compiled_forward(forward: Callable[..., Any], name: str, options: Dict[str, 
             # Guards on the modules' hooks, which dynamo skips by default: a block with hooks added later (or a
             # model with hooks where another of the same class had none) compiles anew instead of running graphs
             # traced without them.
-            with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False), _same_as_in_backward(not state["pieces"]):
+            with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False), _same_as_in_backward(state["pieces"]):
                 return state["compiled"](*args, **kwargs), None
         except _NOT_COMPILATION:
             raise
@@ -199,7 +228,7 @@ def compiled_forward(forward: Callable[..., Any], name: str, options: Dict[str, 
         if failure is not None and _graph_break(failure) and not state["pieces"]:
             # Refused before anything ran: compile in pieces, with graph breaks, as torch.compile does by default.
             state["pieces"] = True
-            state["compiled"] = torch.compile(forward, **{**options, "fullgraph": False})
+            state["compiled"] = _compile(forward, {**options, "fullgraph": False})
             out, failure = attempt(args, kwargs)
         if failure is None:
             return out
