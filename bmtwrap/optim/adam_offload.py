@@ -279,7 +279,9 @@ class AdamOffloadOptimizer(StatePlacement, BackwardOverlap, _AdamBase):
         factor = factor.detach().cpu()
         for handed in self._handed.values():
             handed.host_ready()
-            handed.host.mul_(factor)
+            # As the gradient's own device would round it: a CUDA kernel reads a 0-dim factor on its device in the
+            # gradient's dtype (bf16: the factor rounded first), the CPU's reads it in fp32.
+            handed.host.mul_(factor.to(handed.host.dtype) if handed.stream is not None else factor)
         self._handed_scaled = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
