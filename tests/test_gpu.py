@@ -148,8 +148,14 @@ def _llama_steps(checkpoint, max_gpu_memory=None, steps=6, batch=4, optimizer="a
     it, from step 2 on) and the blocks checkpoint="auto" kept. The optimizer is ``AdamOptimizer``, or with
     ``optimizer="auto"`` ``bmt.optim.auto_adam``'s choice (given ``options``); ``report`` (a dict) gets its class,
     offload fraction, whether wrap offloaded the parameters, the losses and the warnings."""
+    import gc
     import json
 
+    # The worker counts every process's memory on the card (the driver's figure), this one's too: the GPU tests that
+    # ran here before leave blocks cached in this process's allocator, which would count against its budget.
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
     spec = dict(checkpoint=checkpoint, max_gpu_memory=max_gpu_memory, steps=steps, batch=batch, optimizer=optimizer,
                 options=options)
     result = run_cases("llama_steps.py", 1, json.dumps(spec))["steps"]
