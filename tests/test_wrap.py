@@ -537,3 +537,71 @@ def test_fp8_leaves_a_block_that_is_itself_a_linear_layer_as_it_is():
     bmt.wrap(model, fp8=emulated)
     assert [type(m) for m in model] == [nn.Linear] * 3
     assert model(torch.randn(2, 32)).shape == (2, 32)
+
+
+def _counting_on_demand_calls(monkeypatch):
+    """Counts the on-demand mode's calls, as (paused, calls): those made while the engine's code ran, and all."""
+    from bmtwrap.engine import on_demand
+
+    counts = {"paused": 0, "calls": 0}
+    original = on_demand.OnDemandGathers.__torch_function__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        counts["calls"] += 1
+        counts["paused"] += bool(self.paused)
+        return original(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(on_demand.OnDemandGathers, "__torch_function__", counting)
+    return counts
+
+
+def test_the_engines_own_torch_calls_do_not_go_through_the_on_demand_mode(monkeypatch):
+    """While a block's gathers, views and hooks run, the mode that watches the model's code is off the stack: the
+    model's own calls outside the blocks still reach it, the engine's (about 80 a block) do not."""
+    model = bmt.wrap(tiny_llama(num_hidden_layers=3), compile=False)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    model(input_ids=ids, labels=ids).loss.backward()
+    counts = _counting_on_demand_calls(monkeypatch)
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert counts["calls"] > 0 and counts["paused"] == 0, counts
+
+
+class _Passthrough(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _ModeAroundLayers(nn.Module):
+    """Runs its layers under a torch-function mode of its own (above the engine's), and reads the first layer's
+    weight outside that layer's block."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        with _Passthrough():
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+        return (x * self.layers[0].weight.sum()).pow(2).mean()
+
+
+def test_a_model_running_its_layers_under_its_own_mode_trains_as_unwrapped(monkeypatch):
+    """With the model's mode above the engine's on the stack, the engine's mode cannot leave it while a block's
+    code runs: it pauses instead, and gathers on demand as usual."""
+    ref = _ModeAroundLayers()
+    model = bmt.wrap(copy.deepcopy(ref), layers=[nn.Linear], compile=False)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(4))
+    counts = _counting_on_demand_calls(monkeypatch)
+    for _ in range(2):
+        ref_loss, loss = ref(x), model(x)
+        ref_loss.backward()
+        loss.backward()
+        assert torch.allclose(loss, ref_loss, rtol=1e-6), (loss, ref_loss)
+        grads = bmt.full_grad_dict(model)
+        for name, p in ref.named_parameters():
+            assert torch.allclose(grads[name], p.grad, atol=1e-6), name
+            p.grad = None
+        model.zero_grad(set_to_none=True)
+    assert counts["paused"] > 0, counts  # the engine's code ran under the model's mode, the engine's paused

@@ -18,19 +18,21 @@ Inside a block's own run, its parameters are already full views and never reach 
 Views made without autograd (a use under ``torch.no_grad()``) are constants; a use with autograd
 later in the same forward gets views of its own, and the group is lent again, counting that use.
 
-Cost: one Python call per torch operation of the forward, looking its arguments (and one
+Cost: one Python call per torch operation of the model's forward, looking its arguments (and one
 level of lists) up by id among the sharded parameters the registry knows: about a microsecond against
-the tens of microseconds an operation on real sizes takes; nothing in backward.
+the tens of microseconds an operation on real sizes takes; nothing in backward. The engine's own code
+(gathers, views, hooks: about 80 torch calls and tensor attributes a block) is not the model's: while it
+runs the mode is off the stack (:meth:`OnDemandGathers.engine_code`), so those calls pay nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode, _pop_mode, _push_mode
 
 from .group import ParamGroup, ParamRegistry
 
@@ -63,6 +65,8 @@ class OnDemandGathers(TorchFunctionMode):
         self.lent: Dict[int, Tuple[ParamGroup, bool]] = {}
         # > 0 while the engine's own code runs (it handles sharded parameters as pieces, on purpose).
         self.paused = 0
+        self._off = 0  # engine_code calls that took the mode off the stack and are running
+        self._ended = False  # the forward ended while the mode was off: it stays off
 
     @contextlib.contextmanager
     def pausing(self, paused: bool) -> Iterator[None]:
@@ -73,6 +77,47 @@ class OnDemandGathers(TorchFunctionMode):
             yield
         finally:
             self.paused = saved
+
+    @contextlib.contextmanager
+    def engine_code(self) -> Iterator[None]:
+        """The engine's own code runs inside the ``with``: sharded parameters pass as they are. The mode leaves the
+        torch-function stack meanwhile when it is on top of it, so that the engine's torch calls do not go through
+        Python; under another mode it pauses instead."""
+        if _get_current_function_mode() is not self:
+            with self.pausing(True):
+                yield
+            return
+        _pop_mode()
+        self._off += 1
+        try:
+            yield
+        finally:
+            self._off -= 1
+            if not self._ended:
+                _push_mode(self)
+
+    @contextlib.contextmanager
+    def model_code(self) -> Iterator[None]:
+        """The model's own code runs inside the ``with`` (within :meth:`engine_code`): the mode watches again, back on
+        the stack if the engine's code took it off."""
+        if not self._off or _get_current_function_mode() is self:
+            with self.pausing(False):
+                yield
+            return
+        _push_mode(self)
+        try:
+            with self.pausing(False):
+                yield
+        finally:
+            _pop_mode()
+
+    def end(self) -> None:
+        """The forward is over: the mode leaves the stack (at once, or when the engine's code that took it off
+        returns)."""
+        if self._off:
+            self._ended = True
+        else:
+            self.__exit__(None, None, None)
 
     def __torch_function__(self, func: Any, types: Any, args: Tuple[Any, ...] = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}

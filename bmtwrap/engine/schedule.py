@@ -364,7 +364,7 @@ class Engine:
         self._active_roots.pop()
         if not self._active_roots and self._on_demand is not None:
             mode, self._on_demand = self._on_demand, None
-            mode.__exit__(None, None, None)
+            mode.end()
             for group, with_grad in mode.lent.values():
                 if not with_grad:  # lent only without autograd: no backward will give it back
                     runner = self._runner_for(group)
@@ -417,12 +417,12 @@ class Engine:
     def engine_work(self) -> ContextManager[None]:
         """The engine's own code runs: the forward's on-demand mode lets sharded parameters pass as they are."""
         mode = self._on_demand
-        return contextlib.nullcontext() if mode is None else mode.pausing(True)
+        return contextlib.nullcontext() if mode is None else mode.engine_code()
 
     def user_code(self) -> ContextManager[None]:
         """The model's own code runs (inside :meth:`engine_work`): the on-demand mode watches again."""
         mode = self._on_demand
-        return contextlib.nullcontext() if mode is None else mode.pausing(False)
+        return contextlib.nullcontext() if mode is None else mode.model_code()
 
     def _lend(self, group: ParamGroup) -> bool:
         runner = self._runner_for(group)
