@@ -153,7 +153,8 @@ def reduce_scatter_mean(ctx: DistContext, shard: torch.Tensor, full: torch.Tenso
         f"rank {ctx.rank}: reduce-scatter of {full.numel()} into {shard.numel()} x {ctx.shard_size} elements"
     )
     if ctx.shard_size == 1:
-        shard.copy_(full)
+        if shard.data_ptr() != full.data_ptr():  # the caller may pass the full buffer as its own shard
+            shard.copy_(full)
         if one_stage:
             shard.div_(ctx.replicas)
         scattered = Pending(None, shard)

@@ -307,7 +307,9 @@ class FlatBuffer:
         if self.ctx.tp_size > 1 and self.tp_layout is TpLayout.ROWS:
             tp_sum(self.ctx, full_grad, [(s.offset, s.offset + s.numel) for s in self.slots
                                          if isinstance(s.param, DistributedParameter) and s.param.tp_mode])
-        shard = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=self.ctx.device)
+        # A shard group of one: the flat gradient is this rank's shard already (no second buffer, no copy).
+        shard = (full_grad if self.ctx.shard_size == 1 else
+                 torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=self.ctx.device))
         with record_function(f"bmtwrap.reduce_scatter:{self.label}"):
             pending = reduce_scatter_mean(self.ctx, shard, full_grad, label=self.label, one_stage=self.one_stage)
         return PendingReduction(self, pending, full_grad)
