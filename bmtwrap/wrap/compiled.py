@@ -147,7 +147,8 @@ class _CheckedBackend:
     graph, at compilation. One object per set of options, shared by every block: dynamo reuses a graph traced
     for one block in another only under an equal backend."""
 
-    def __init__(self, options: Mapping[str, Any]) -> None:
+    def __init__(self, key: str, options: Mapping[str, Any]) -> None:
+        self.key = key  # the options that make the backend, as _compile reads them
         backend = options.get("backend", "inductor")
         mode, settings, dynamic = options.get("mode"), options.get("options"), options.get("dynamic")
         self.inner = (torch._TorchCompileInductorWrapper(mode, settings, dynamic) if backend == "inductor"
@@ -158,13 +159,13 @@ class _CheckedBackend:
         return self.inner(graph, example_inputs)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _CheckedBackend) and self.inner == other.inner
+        return isinstance(other, _CheckedBackend) and self.key == other.key
 
     def __hash__(self) -> int:
-        return id(self)
+        return hash(self.key)
 
     def __getattr__(self, name: str) -> Any:  # the inner backend's reset(), get_compiler_config(), compiler_name
-        if name == "inner":
+        if name in ("inner", "key"):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
@@ -177,7 +178,7 @@ def _compile(forward: Callable[..., Any], options: Dict[str, Any]) -> Callable[.
     key = repr(sorted((k, repr(v)) for k, v in options.items() if k in ("backend", "mode", "options", "dynamic")))
     backend = _BACKENDS.get(key)
     if backend is None:
-        backend = _BACKENDS[key] = _CheckedBackend(options)
+        backend = _BACKENDS[key] = _CheckedBackend(key, options)
     rest = {k: v for k, v in options.items() if k not in ("backend", "mode", "options")}
     return torch.compile(forward, backend=backend, **rest)
 
