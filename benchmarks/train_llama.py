@@ -113,6 +113,22 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, marks in KERNEL_KINDS if any(m in name for m in marks)), "other")
 
 
+def kernel_spans(events: List[Any]) -> List[Tuple[float, float]]:
+    """The time ranges (profiler microseconds) in which at least one of ``events`` ran, merged and in order."""
+    merged: List[List[float]] = []
+    for a, b in sorted((e.time_range.start, e.time_range.end) for e in events):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def overlap_s(ours: List[Tuple[float, float]], theirs: List[Tuple[float, float]]) -> float:
+    """Seconds during which a span of ``ours`` and one of ``theirs`` both ran (each list merged)."""
+    return sum(max(0.0, min(b, d) - max(a, c)) for a, b in ours for c, d in theirs) / 1e6
+
+
 def profile_step(run: Callable[[], Any], trace: Optional[str] = None) -> Dict[str, Any]:
     """One step under the profiler: the share of its time some compute kernel ran on the GPU, the share
     a host-device copy ran, the longest gap with no kernel at all, and the communication: the time NCCL's
@@ -142,31 +158,19 @@ def profile_step(run: Callable[[], Any], trace: Optional[str] = None) -> Dict[st
         else:
             (copies if "memcpy" in name or "memset" in name else kernels).append(e)
 
-    def spans_of(events: List[Any]) -> List[Tuple[float, float]]:
-        merged: List[List[float]] = []
-        for a, b in sorted((e.time_range.start, e.time_range.end) for e in events):
-            if merged and a <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], b)
-            else:
-                merged.append([a, b])
-        return [(a, b) for a, b in merged]
-
-    def overlap(ours: List[Tuple[float, float]], theirs: List[Tuple[float, float]]) -> float:
-        return sum(max(0.0, min(b, d) - max(a, c)) for a, b in ours for c, d in theirs) / 1e6
-
     def length(spans: List[Tuple[float, float]]) -> float:
         return sum(b - a for a, b in spans) / 1e6  # microseconds -> seconds
 
-    busy = spans_of(kernels)
-    compute, copied = length(busy), length(spans_of(copies))
+    busy = kernel_spans(kernels)
+    compute, copied = length(busy), length(kernel_spans(copies))
     gap = max((c - b for (_, b), (c, _) in zip(busy, busy[1:])), default=0.0) / 1e6
 
     def hidden(spans: List[Tuple[float, float]]) -> Dict[str, Any]:
         """How long ``spans`` ran, and the share of it some compute kernel ran beside."""
         total = length(spans)
-        return dict(s=round(total, 4), hidden_pct=round(100 * overlap(spans, busy) / total, 1) if total else None)
+        return dict(s=round(total, 4), hidden_pct=round(100 * overlap_s(spans, busy) / total, 1) if total else None)
 
-    every = hidden(spans_of([e for events in comms.values() for e in events]))
+    every = hidden(kernel_spans([e for events in comms.values() for e in events]))
     kinds: Dict[str, float] = {}
     names: Dict[str, List[float]] = {}
     for e in kernels:
@@ -180,7 +184,7 @@ def profile_step(run: Callable[[], Any], trace: Optional[str] = None) -> Dict[st
                 top_kernels=[[name, len(times), round(sum(times), 4)] for name, times in top],
                 gpu_copy_pct=round(100 * copied / wall, 1), longest_gpu_gap_s=round(gap, 4),
                 comm_s=every["s"], comm_hidden_pct=every["hidden_pct"],
-                comm_by_kind={kind: hidden(spans_of(events)) for kind, events in comms.items()})
+                comm_by_kind={kind: hidden(kernel_spans(events)) for kind, events in comms.items()})
 
 
 def forward_timeline(model: torch.nn.Module, ids: torch.Tensor, run_rest: Callable[[torch.Tensor], Any],
@@ -211,34 +215,32 @@ def forward_timeline(model: torch.nn.Module, ids: torch.Tensor, run_rest: Callab
     for layer, forward in zip(layers, forwards):
         layer.forward = timed(forward)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) if kernels else contextlib.nullcontext() as prof:
-        torch.cuda._sleep(1000)  # markers on the kernels' timeline: the forward lies between the two sleeps
-        mark()
-        loss = model(input_ids=ids, labels=ids).loss
-        mark()
-        torch.cuda._sleep(1000)
-        run_rest(loss)
-        torch.cuda.synchronize()
-    for layer, forward in zip(layers, forwards):
-        layer.forward = forward
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) if kernels else contextlib.nullcontext() as prof:
+            torch.cuda._sleep(1000)  # markers on the kernels' timeline: the forward lies between the two sleeps
+            mark()
+            loss = model(input_ids=ids, labels=ids).loss
+            mark()
+            torch.cuda._sleep(1000)
+            run_rest(loss)
+            torch.cuda.synchronize()
+    finally:
+        for layer, forward in zip(layers, forwards):
+            layer.forward = forward
     host = [t - marks[0][0] for t, _ in marks]
     gpu = [marks[0][1].elapsed_time(e) / 1e3 for _, e in marks]
     leads = [round(1e3 * (g - h), 2) for g, h in zip(gpu, host)]
     out = dict(forward_gpu_s=round(gpu[-1], 4), forward_host_s=round(host[-1], 4),
                host_lead_ms_at_layers=leads[1:-1], host_lead_ms_at_end=leads[-1])
     if kernels:
-        events = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                        if e.device_type == torch.autograd.DeviceType.CUDA)
-        sleeps = [i for i, (_, _, name) in enumerate(events) if "spin" in name.lower() or "sleep" in name.lower()]
+        events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                        key=lambda e: e.time_range.start)
+        sleeps = [i for i, e in enumerate(events) if "spin" in e.name.lower() or "sleep" in e.name.lower()]
         if len(sleeps) >= 2:
-            begin, end = events[sleeps[0]][1], events[sleeps[1]][0]
-            busy, reach = 0.0, begin
-            for a, b, _ in events[sleeps[0] + 1 : sleeps[1]]:
-                a, b = max(a, reach), min(b, end)
-                if b > a:
-                    busy, reach = busy + b - a, b
-            out.update(forward_kernels_s=round(busy / 1e6, 4),
-                       forward_gpu_busy_pct=round(100 * busy / max(end - begin, 1e-9), 1))
+            window = (events[sleeps[0]].time_range.end, events[sleeps[1]].time_range.start)
+            busy = overlap_s(kernel_spans(events[sleeps[0] + 1 : sleeps[1]]), [window])
+            out.update(forward_kernels_s=round(busy, 4),
+                       forward_gpu_busy_pct=round(100 * busy / max((window[1] - window[0]) / 1e6, 1e-12), 1))
     return out
 
 
