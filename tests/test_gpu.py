@@ -199,3 +199,71 @@ def test_a_budget_chooses_the_offload_on_one_gpu():
     assert tight["offload_params"] and tight["optimizer"] == "AdamOffloadOptimizer", tight
     assert used <= 3.5 * 2**30, (tight, used / 2**30)
     assert tight["losses"][-1] < tight["losses"][0], tight["losses"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("nonfinite", ["skip", "raise"])
+@pytest.mark.parametrize("make", ["AdamOptimizer", "AdamOffloadOptimizer-gpu", "AdamOffloadOptimizer-half"])
+def test_updates_launched_before_the_check_write_nothing_in_a_nonfinite_step(make, nonfinite, monkeypatch):
+    """[Note: updates before the check]: the updates of the state on the GPU are launched before the host reads
+    the non-finite check, gated on its flag. A non-finite step leaves every parameter, moment and step count as
+    it was (bit for bit), and the training after it equals one that never had it."""
+    import bmtwrap as bmt
+    from bmtwrap import ops
+
+    gated = []
+    for name in ("adam_step_cuda", "adam_step_split"):
+        def spy(*args, _kernel=getattr(ops, name), **kwargs):
+            gated.append(kwargs.get("skip_if") is not None)
+            return _kernel(*args, **kwargs)
+        monkeypatch.setattr(ops, name, spy)
+
+    def build():
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n, device="cuda", dtype=dtype))
+                  for n, dtype in ((4099, torch.bfloat16), (37, torch.bfloat16), (300, torch.float32))]
+        kind, _, fraction = make.partition("-")
+        options = {} if kind == "AdamOptimizer" else {"offload_fraction": 0.0 if fraction == "gpu" else 0.5}
+        return params, getattr(bmt.optim, kind)(params, lr=1e-2, weight_decay=0.1, nonfinite=nonfinite, **options)
+
+    def step(params, optimizer, seed, bad=False):
+        generator = torch.Generator(device="cuda").manual_seed(seed)
+        for i, p in enumerate(params):
+            p.grad = torch.randn(p.shape, generator=generator, device="cuda", dtype=p.dtype)
+            if bad and i == 1:
+                p.grad[3] = float("nan")
+        if bad and nonfinite == "raise":
+            with pytest.raises(bmt.optim.NonFiniteGradientError, match="inf or NaN"):
+                optimizer.step()
+        else:
+            optimizer.step()
+        optimizer.zero_grad()
+        if hasattr(optimizer, "wait"):
+            optimizer.wait()
+
+    def snapshot(params, optimizer):
+        optimizer.state_dict()  # waits for every update
+        state = [{k: v.clone() if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()} for p in params]
+        return [p.detach().clone() for p in params], state
+
+    def equal(a, b):
+        (params_a, state_a), (params_b, state_b) = a, b
+        return (all(torch.equal(x, y) for x, y in zip(params_a, params_b))
+                and all(sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) if torch.is_tensor(sa[k])
+                                                       else sa[k] == sb[k] for k in sa)
+                        for sa, sb in zip(state_a, state_b)))
+
+    params, optimizer = build()
+    step(params, optimizer, 1)
+    after_first = snapshot(params, optimizer)
+    gated.clear()
+    step(params, optimizer, 2, bad=True)
+    assert any(gated), "no update was launched before the check"
+    assert equal(snapshot(params, optimizer), after_first), "the non-finite step wrote"
+    assert optimizer.skipped_steps == (nonfinite == "skip")
+    step(params, optimizer, 3)
+    reference_params, reference = build()
+    step(reference_params, reference, 1)
+    step(reference_params, reference, 3)
+    assert equal(snapshot(params, optimizer), snapshot(reference_params, reference))

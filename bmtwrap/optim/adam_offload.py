@@ -14,9 +14,9 @@ from ..engine.memory import gauge_for
 from ..engine.group import ROOT_LABEL
 from ..engine.offload import DEFAULT_CHUNK_NUMEL, DEFAULT_SLOTS, adam_state_bytes, expandable_segments, host_zeros
 from ..engine.schedule import engine
-from .adam_state import _AdamBase, _offload_policy
+from .adam_state import Work, _AdamBase, _offload_policy
 from .gpu_updates import GpuUpdates
-from .nonfinite import NonFiniteGradientError
+from .nonfinite import NonFiniteGradientError, PendingCheck
 from .overlap import BackwardOverlap
 from .state_placement import StatePlacement
 from ..engine.placement import GradsOnGpu
@@ -301,7 +301,7 @@ class AdamOffloadOptimizer(StatePlacement, BackwardOverlap, _AdamBase):
         self._clear_overlap()
 
     # --- the queue -----------------------------------------------------------------------------------------------
-    def _queue(self, work: List[Tuple[torch.Tensor, Dict[str, Any], Dict[str, Any]]],
+    def _queue(self, work: List[Work],
                ready_stream: Optional["torch.cuda.Stream"] = None) -> None:
         """Hand updates to the offload queue (the next gather of each parameter waits for its own), or
         run them on the GPU now for parameters whose state stays there. The gradients are final once
@@ -321,7 +321,7 @@ class AdamOffloadOptimizer(StatePlacement, BackwardOverlap, _AdamBase):
             taken = [self._handed[id(p)] for p, _, _ in handed]
             self._submit(handed, [h.host for h in taken], taken[0].stream)
 
-    def _submit(self, work: List[Tuple[torch.Tensor, Dict[str, Any], Dict[str, Any]]], grads: List[torch.Tensor],
+    def _submit(self, work: List[Work], grads: List[torch.Tensor],
                 ready_stream: Optional["torch.cuda.Stream"]) -> None:
         """Queue the CPU updates of ``work`` with ``grads``, final once ``ready_stream`` reaches this point; an
         update started in backward is kept where it did what this one would, else redone from its state."""
@@ -380,9 +380,9 @@ class AdamOffloadOptimizer(StatePlacement, BackwardOverlap, _AdamBase):
     def _forward_starts(self, with_grad: bool) -> None:
         self._overlap_forward(with_grad)
 
-    def _finite(self, params: List[torch.Tensor]) -> bool:
+    def _finite(self, params: List[torch.Tensor], check: PendingCheck) -> bool:
         try:
-            finite = super()._finite(params)
+            finite = super()._finite(params, check)
         except NonFiniteGradientError:
             self._discard_backward()  # nothing is updated: the parameters are as they were
             raise
@@ -436,12 +436,14 @@ class AdamOffloadOptimizer(StatePlacement, BackwardOverlap, _AdamBase):
         passes = engine().passes_done - self._passes_at_step if is_initialized() else 1
         if self._placement_pending:
             self._first_step(passes)
-        params = [p for g in self.param_groups for p in g["params"]]
-        if not assume_finite and not self._finite(params):
+        launched = self._checked(assume_finite, grad_scale, lambda p: id(p) in self._on_gpu and p.is_cuda,
+                                 lambda work, flag: self._gpu_updates.run(work, self._priority, self._buffer_of,
+                                                                          skip_if=flag))
+        if launched is None:
             self._end_pass_count(passes)
             return loss
         work = [self._advance(p, group, grad_scale) for group in self.param_groups for p in group["params"]
-                if (p.grad is not None or id(p) in self._handed) and p.numel() > 0]
+                if (p.grad is not None or id(p) in self._handed) and p.numel() > 0 and id(p) not in launched]
         self._offload.prioritise()
         self._queue(work)
         self._end_step()

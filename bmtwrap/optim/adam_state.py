@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import warnings
 
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 from torch.autograd.graph import increment_version
@@ -28,7 +28,9 @@ from .. import ops
 from ..engine.dist import is_initialized
 from ..engine.offload import OffloadPolicy, adam_state_bytes
 from ..engine.schedule import engine
-from .nonfinite import NonFiniteGradientError, any_nonfinite, check_choice, describe_nonfinite
+from .nonfinite import NonFiniteGradientError, PendingCheck, check_choice, describe_nonfinite, start_check
+
+Work = Tuple[torch.Tensor, Dict[str, Any], Dict[str, Any]]  # a parameter, its state, this update's hyper-parameters
 
 
 def _check_params(params: List[torch.Tensor], who: str) -> None:
@@ -64,19 +66,22 @@ def _offload_policy(registry: Any, param: torch.Tensor) -> OffloadPolicy:
     return found[0].offload if found is not None else OffloadPolicy()
 
 
-def _update_in_place(p: torch.Tensor, state: Dict[str, Any], hyper: Dict[str, Any]) -> None:
-    """One Adam(W) step of ``p`` by the kernel of its own device, state on the same device."""
+def _update_in_place(p: torch.Tensor, state: Dict[str, Any], hyper: Dict[str, Any],
+                     skip_if: Optional[torch.Tensor] = None) -> None:
+    """One Adam(W) step of ``p`` by the kernel of its own device, state on the same device; on a GPU, one that
+    writes nothing if ``skip_if`` is set when it runs."""
+    gate = {} if skip_if is None else {"skip_if": skip_if}
     low = state.get("master_low")
     if low is not None:
         ops.adam_step_split(p.detach().view(-1), low.view(-1), p.grad.detach().reshape(-1), state["exp_avg"].view(-1),
-                            state["exp_avg_sq"].view(-1), **hyper)
+                            state["exp_avg_sq"].view(-1), **hyper, **gate)
         increment_version(p)
         return
     master = state.get("master", p)
     out = p if master is not p else None
     update = ops.adam_step_cuda if p.is_cuda else ops.adam_step_cpu
     update(master.view(-1), p.grad.detach().reshape(-1), state["exp_avg"].view(-1),
-           state["exp_avg_sq"].view(-1), out=None if out is None else out.view(-1), **hyper)
+           state["exp_avg_sq"].view(-1), out=None if out is None else out.view(-1), **hyper, **gate)
     increment_version(p)  # written through a raw pointer: gathered copies are now stale
 
 
@@ -193,20 +198,48 @@ class _AdamBase(torch.optim.Optimizer):
         return state
 
     def _prepare(self, closure: Optional[Callable[[], Any]], grad_scale: float,
-                 assume_finite: bool) -> Tuple[Any, Optional[List[Tuple[Any, ...]]]]:
-        """Run the closure; check the gradients (see [Note: non-finite gradients]); advance the step of
-        every parameter with a gradient and return the work, or ``None`` for a step skipped."""
+                 assume_finite: bool) -> Tuple[Any, Optional[List[Work]]]:
+        """Run the closure; check the gradients (see [Note: non-finite gradients]), launching the updates of the
+        state on the GPU before the answer is read; advance the step of every other parameter with a gradient and
+        return its work, or ``None`` for a step skipped."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not assume_finite and not self._finite([p for g in self.param_groups for p in g["params"]]):
+        launched = self._checked(assume_finite, grad_scale, lambda p: p.is_cuda,
+                                 lambda work, flag: [_update_in_place(*item, skip_if=flag) for item in work])
+        if launched is None:
             return loss, None
         self._check_room([p for g in self.param_groups for p in g["params"]
                           if p.grad is not None and not self.state.get(p)])
         work = [self._advance(p, group, grad_scale) for group in self.param_groups for p in group["params"]
-                if p.grad is not None and p.numel() > 0]
+                if p.grad is not None and p.numel() > 0 and id(p) not in launched]
         return loss, work
+
+    def _checked(self, assume_finite: bool, grad_scale: float, early: Callable[[torch.Tensor], bool],
+                 launch: Callable[[List[Work], torch.Tensor], Any]) -> Optional[Set[int]]:
+        """Check the gradients for this step; ``launch(work, flag)`` the updates of the parameters ``early``
+        picks (with state made by an earlier step) before reading the answer, each gated on ``flag`` (see
+        [Note: updates before the check]). Returns the ids of the parameters launched, or ``None`` for a step
+        skipped (their step counts put back)."""
+        if assume_finite or self.nonfinite == "unchecked":
+            return set()
+        params = [p for g in self.param_groups for p in g["params"]]
+        check = start_check(params)
+        launched: List[Work] = []
+        if check.on_gpu:
+            launched = [self._advance(p, group, grad_scale) for group in self.param_groups for p in group["params"]
+                        if p.grad is not None and p.numel() > 0 and self.state.get(p) and early(p)]
+            if launched:
+                launch(launched, check.flag)
+        finite = False
+        try:
+            finite = self._finite(params, check)
+        finally:
+            if not finite:
+                for _, state, _ in launched:
+                    state["step"] -= 1  # their kernels read the flag and wrote nothing
+        return {id(p) for p, _, _ in launched} if finite else None
 
     def _check_room(self, params: List[torch.Tensor]) -> None:
         """Raise before making the state of ``params`` on a GPU that cannot hold it (a clear error instead of the
@@ -223,9 +256,10 @@ class _AdamBase(torch.optim.Optimizer):
                     "bmtwrap.optim.auto_adam(model.parameters(), ...) keeps on the GPU the state that fits and "
                     "updates the rest on the CPU (or AdamOffloadOptimizer(offload_fraction=...) by hand)")
 
-    def _finite(self, params: List[torch.Tensor]) -> bool:
-        """Whether to step: gradients finite on every rank; else raise, or count a skipped step."""
-        if self.nonfinite == "unchecked" or not any_nonfinite(params):
+    def _finite(self, params: List[torch.Tensor], check: PendingCheck) -> bool:
+        """Whether to step, by ``check`` of ``params``: gradients finite on every rank; else raise, or count a
+        skipped step."""
+        if self.nonfinite == "unchecked" or not check.found():
             return True
         if self.nonfinite == "skip":
             self.skipped_steps += 1

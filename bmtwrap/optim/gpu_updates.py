@@ -31,13 +31,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .adam_state import _update_in_place
+from .adam_state import Work, _update_in_place
 
 __all__ = ["BESIDE_FORWARD", "GpuUpdates", "StreamWrite"]
 
 BESIDE_FORWARD = True
-
-Work = Tuple[torch.Tensor, Dict[str, Any], Dict[str, Any]]
 
 
 class StreamWrite:
@@ -60,16 +58,18 @@ class GpuUpdates:
     def __init__(self) -> None:
         self._stream: Optional["torch.cuda.Stream"] = None
 
-    def run(self, work: List[Work], priority: Dict[int, int], buffer_of: Callable[[torch.Tensor], Any]) -> None:
+    def run(self, work: List[Work], priority: Dict[int, int], buffer_of: Callable[[torch.Tensor], Any],
+            skip_if: Optional[torch.Tensor] = None) -> None:
         """Update every ``(param, state, hyper)`` of ``work``; ``priority`` orders them as the next forward reads
         them, and ``buffer_of(param)`` is the engine buffer whose gather must wait for ``param``'s update (or
-        ``None``)."""
+        ``None``). The GPU's updates write nothing if ``skip_if`` is set when they run (see [Note: updates
+        before the check] in ``nonfinite.py``)."""
         beside: List[Work] = []
         for item in work:
             if BESIDE_FORWARD and item[0].is_cuda:
                 beside.append(item)
             else:
-                _update_in_place(*item)
+                _update_in_place(*item, skip_if=skip_if)
         if not beside:
             return
         device = beside[0][0].device
@@ -85,7 +85,7 @@ class GpuUpdates:
             for buffer, items in by_buffer.values():
                 for p, state, hyper in items:
                     p.grad.record_stream(stream)  # zero_grad() may free it before the update has read it
-                    _update_in_place(p, state, hyper)
+                    _update_in_place(p, state, hyper, skip_if)
                 event = torch.cuda.Event()
                 event.record(stream)
                 write = StreamWrite(event, device)
