@@ -101,6 +101,42 @@ def test_a_model_nobody_refers_to_is_freed():
     assert train(bmt.wrap(tiny_llama())) is not None
 
 
+def test_a_shard_group_of_one_gathers_by_aliasing_the_shard(monkeypatch):
+    """In a world of one the shard is the whole buffer: a gather views it (no copy, no second buffer) and a release
+    frees nothing, and training is the unwrapped model's."""
+    ref = tiny_llama()
+    model = bmt.wrap(copy.deepcopy(ref), compile=False, keep_logits=True)
+    registry = bmt.engine.schedule.engine().registry
+    buffers = list({id(b): b for b in (registry.lookup(p)[0] for p in model.parameters())}.values())
+    assert buffers and all(b.aliased and b.full.data_ptr() == b.local.data_ptr() for b in buffers)
+    copies = []
+    real_copy = torch.Tensor.copy_
+
+    def counting_copy(self, source, *args, **kwargs):
+        copies.append(any(self.data_ptr() == b.full.data_ptr() for b in buffers))
+        return real_copy(self, source, *args, **kwargs)
+
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(5))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        monkeypatch.setattr(torch.Tensor, "copy_", counting_copy)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        monkeypatch.setattr(torch.Tensor, "copy_", real_copy)
+        ref_loss = ref(input_ids=ids, labels=ids).loss
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    assert not any(copies), "a gather copied into a gathered buffer"
+    assert all(b.local.untyped_storage().nbytes() > 0 for b in buffers), "a release freed a shard"
+    full = bmt.full_state_dict(model)
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(full[name], value, rtol=0, atol=1e-6, msg=name)
+
+
 def test_wrap_keeps_class_keys_and_parameter_objects():
     model = tiny_llama()
     before_keys = list(model.state_dict())

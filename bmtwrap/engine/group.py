@@ -7,7 +7,9 @@ gathered buffer; its storage is resized to zero bytes while sharded and back to
 ``world_size * shard_size`` elements for a gather, so one storage object serves every gather of
 the buffer. Tensors saved for backward that view ``full`` therefore become valid again when the
 buffer is gathered again; that is how a block that is not checkpointed can free its parameters
-after forward (ZeRO-3).
+after forward (ZeRO-3). In a shard group of one the shard is the whole buffer: ``full`` *is*
+``local`` (``FlatBuffer.aliased``), so a gather copies nothing and holds no second copy, and a
+release frees nothing.
 
 While a group's owner runs, each owning module's ``_parameters[name]`` entry is swapped from the
 sharded parameter to a full-shaped view produced by :class:`_Unshard`, an autograd function whose
@@ -121,8 +123,13 @@ class FlatBuffer:
         self.offload = offload
         self._grad_copied: Optional[torch.cuda.Event] = None  # the last gradient copy to the host in flight
         self._copied: Optional[torch.cuda.Event] = None  # the gather's copy from the host in flight
-        self.full = torch.empty(layout.padded_total, dtype=local.dtype, device=ctx.device)
-        self.full.untyped_storage().resize_(0)
+        # A shard group of one: the shard is the gathered buffer (see [Note: gathered views]).
+        self.aliased = ctx.shard_size == 1 and not offload.params and local.numel() == layout.padded_total
+        if self.aliased:
+            self.full = local
+        else:
+            self.full = torch.empty(layout.padded_total, dtype=local.dtype, device=ctx.device)
+            self.full.untyped_storage().resize_(0)
         self.state = ShardState.SHARDED
         self._gather: Optional[Pending] = None
         self._gathered_version = -1
@@ -171,7 +178,7 @@ class FlatBuffer:
         self.wait_writes()
         storage = self.full.untyped_storage()
         nbytes = self.layout.padded_total * self.full.element_size()
-        if storage.nbytes() != nbytes:
+        if not self.aliased and storage.nbytes() != nbytes:
             storage.resize_(nbytes)
         self._gathered_version = self._version()
         with record_function(f"bmtwrap.all_gather:{self.label}"):
@@ -238,7 +245,8 @@ class FlatBuffer:
         if self.state is ShardState.GATHERING:
             self.wait_gather()
         if self.state is ShardState.GATHERED:
-            self.full.untyped_storage().resize_(0)
+            if not self.aliased:
+                self.full.untyped_storage().resize_(0)
             self.state = ShardState.SHARDED
 
     def prefetch(self) -> None:
@@ -261,8 +269,9 @@ class FlatBuffer:
     def keep_own_piece(self) -> None:
         """Copy this rank's slice of the gathered buffer into its shard (values set at full shape)."""
         assert self.state is ShardState.GATHERED, f"rank {self.ctx.rank}: keep_own_piece of a {self.state.value} buffer"
-        size = self.layout.shard_size
-        self.local.copy_(self.full[self.ctx.shard_rank * size : (self.ctx.shard_rank + 1) * size])
+        if not self.aliased:
+            size = self.layout.shard_size
+            self.local.copy_(self.full[self.ctx.shard_rank * size : (self.ctx.shard_rank + 1) * size])
 
     @contextmanager
     def gathered(self) -> Iterator[torch.Tensor]:
