@@ -138,6 +138,17 @@ def test_a_budget_below_the_checkpointed_step_is_named(monkeypatch):
     assert kept[-1] == [False] * 4
 
 
+def test_the_warning_reads_only_this_models_optimizers(monkeypatch):
+    """Another model's offloading optimizer, still alive, changes nothing in what the warning advises."""
+    other = bmt.wrap(tiny_llama(num_hidden_layers=2))
+    alive = bmt.optim.AdamOffloadOptimizer(other.parameters(), lr=1e-3)
+    alive.offload_fraction = 0.5  # as one that split its state with a GPU ("auto") would say
+    with pytest.warns(RuntimeWarning, match=r"to stay under it, keep the optimizer's state where it fits "
+                                            r"\(bmtwrap.optim.auto_adam\)"):
+        _train(monkeypatch, FakeGauge(card=80), max_gpu_memory="20GiB")
+    assert alive in bmt.engine.schedule.engine().offload_optimizers()
+
+
 def test_the_warning_names_only_what_is_not_offloaded_yet(monkeypatch):
     """With the optimizer's state all on the host already, the warning does not advise moving it there."""
     with pytest.warns(RuntimeWarning, match=r"to stay under it, offload the blocks' parameters \(wrap\(model, "

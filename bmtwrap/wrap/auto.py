@@ -219,7 +219,10 @@ class AutoRecompute:
 def _what_else_fits(runners: List[BlockRunner]) -> str:
     """What a step over its GPU budget can still move off the GPU, for the warning: only what is not there yet."""
     options = []
-    offloaders = engine().offload_optimizers()
+    # Only the optimizers of these blocks' parameters: another model's (or one not yet collected) says nothing here.
+    params = {id(slot.param) for r in runners for slot in r.group.slots}
+    offloaders = [o for o in engine().offload_optimizers()
+                  if any(id(p) in params for group in o.param_groups for p in group["params"])]
     if not offloaders:
         options.append("keep the optimizer's state where it fits (bmtwrap.optim.auto_adam)")
     elif any(o.offload_fraction < 1.0 for o in offloaders):
