@@ -25,7 +25,8 @@ The rest is a model of the peak of a training step of a transformer, the larger 
   is the largest of these sums (at the first block when every block is checkpointed, unless the
   activations outweigh the gradients). Beside them: the parameters and optimizer state, what is
   gathered (the root group in full plus its full gradient, the two largest blocks, the running one
-  and the prefetched one, and one block's full gradient before its reduce-scatter), and one block's
+  and the prefetched one, and one block's full gradient before its reduce-scatter; in a shard group
+  of one only the gradients, as a gather there aliases the shard), and one block's
   recomputation and backward, ``LAYER_SAVED`` values plus ``LAYER_FP32`` fp32 values per token, twice
   (its activations and their gradients). A compiled block (``wrap(compile=...)``, on by default on a
   GPU) fuses its norms and elementwise work and keeps neither the fp32 values nor a second copy:
@@ -545,7 +546,11 @@ def make_plan(model: nn.Module, world_size: int, *, layers: Optional[LayerPolicy
         largest = sorted((b.padded_bytes for b in block_plans), reverse=True)
         largest_grad = max((sum(b.padded_total * _itemsize(b.dtype) for b in bufs if b.requires_grad)
                             for bufs in block_buffers), default=0)
-        gathered = root.padded_bytes + root_grad + sum(largest[:2]) + largest_grad
+        # A shard group of one gathers by aliasing its shards (engine/group.py): no gathered copies, except of the
+        # blocks whose shards are on the host.
+        root_copy = 0 if shards == 1 else root.padded_bytes
+        block_copies = largest if shards > 1 or offload.params else []
+        gathered = root_copy + root_grad + sum(block_copies[:2]) + largest_grad
         block_dtype = next((b.dtype for bufs in block_buffers for b in bufs), torch.float32)
         staging = 0
         if offload.optimizer:
@@ -564,7 +569,7 @@ def make_plan(model: nn.Module, world_size: int, *, layers: Optional[LayerPolicy
             if parts is not None:
                 saved, recompute, loss = parts
                 # At the loss: the root and the next block gathered, the saved activations, the loss.
-                loss_peak = (exact["params"] + exact["optimizer"] + root.padded_bytes + sum(largest[:1]) + sum(saved)
+                loss_peak = (exact["params"] + exact["optimizer"] + root_copy + sum(block_copies[:1]) + sum(saved)
                              + loss)
                 # Backward runs the blocks last to first: at block i the gradient shards of blocks i and after (and
                 # the root's) are there, and of the activations those saved by blocks i and before.
