@@ -396,15 +396,15 @@ def test_plan_backward_peak_follows_the_blocks_last_to_first():
 def test_plan_counts_no_gathered_copies_in_a_shard_group_of_one():
     """A gather in a shard group of one aliases the shard: what is gathered is the full gradients only (the root's and
     the largest block's), unless the blocks' shards are on the host; sharded, the copies count too."""
-    def gathered(world_size, **options):
+    def plan_for(world_size, **options):
         return bmt.plan(tiny_llama(), world_size=world_size, batch_size=2, seq_len=16, **options)
 
-    one = gathered(1)
+    one = plan_for(1)
     grads = one.root.shard_bytes + max(b.shard_bytes for b in one.blocks)  # fp32: gradients as large as parameters
     assert one.memory.gathered == grads
-    host = gathered(1, offload_optimizer=True, offload_params=True)
+    host = plan_for(1, offload_optimizer=True, offload_params=True)
     assert host.memory.gathered == grads + sum(sorted((b.shard_bytes for b in one.blocks), reverse=True)[:2])
-    two = gathered(2)
+    two = plan_for(2)
     copies = one.root.shard_bytes + sum(sorted((b.shard_bytes for b in one.blocks), reverse=True)[:2])
     assert two.memory.gathered == grads + copies
 
