@@ -12,27 +12,24 @@ really owns). Ranks own slightly different
 element counts (alignment gaps, the tail padding): the plan reports the largest.
 
 The rest is a model of the peak of a training step of a transformer, the larger of two moments:
-- the loss, before backward has made any gradient (``zero_grad()`` freed the last step's): the
-  parameters and optimizer state, the root group and one block gathered, the saved activations, and
-  the cross-entropy of a causal LM head: transformers computes it in fp32 (``logits.float()``)
-  through log-softmax, whose backward holds the saved log-probabilities, their gradient and the
-  logits' gradient at once, 12 bytes per token and vocabulary entry (the 16-bit logits are freed
-  after forward when only the loss is kept). A wrapped model whose loss is computed without the
-  logits (``head_loss.py``) holds one chunk of 16-bit logits (``HEAD_CHUNK`` tokens), the fp32
-  gradient of the projection and the 16-bit gradient of its input instead;
-- backward, at its peak: the blocks run last to first, so at block i the gradient shards of blocks i
-  and after (and the root's) are there beside the activations saved by blocks i and before; the peak
-  is the largest of these sums (at the first block when every block is checkpointed, unless the
-  activations outweigh the gradients). Beside them: the parameters and optimizer state, what is
-  gathered (the root group in full plus its full gradient, the two largest blocks, the running one
-  and the prefetched one, and one block's full gradient before its reduce-scatter; in a shard group
-  of one only the gradients, as a gather there aliases the shard), and one block's
-  recomputation and backward, ``LAYER_SAVED`` values plus ``LAYER_FP32`` fp32 values per token, twice
-  (its activations and their gradients). A compiled block (``wrap(compile=...)``, on by default on a
-  GPU) fuses its norms and elementwise work and keeps neither the fp32 values nor a second copy:
-  ``LAYER_SAVED`` values per token. Against 13 peaks measured on H100s and H200s (1B, 3B and 8B on one,
-  two and four GPUs; eager and compiled blocks; checkpointed, kept and under a budget, with the
-  optimizer and the parameters offloaded) this reads from -7.6 % to +5.2 %.
+- the loss, before backward has made any gradient (``zero_grad()`` freed the last step's): the parameters and
+  optimizer state, the root group and one block gathered, the saved activations, and the cross-entropy of a causal LM
+  head: transformers computes it in fp32 (``logits.float()``) through log-softmax, whose backward holds the saved
+  log-probabilities, their gradient and the logits' gradient at once, 12 bytes per token and vocabulary entry (the
+  16-bit logits are freed after forward when only the loss is kept). A wrapped model whose loss is computed without
+  the logits (``head_loss.py``) holds one chunk of 16-bit logits (``HEAD_CHUNK`` tokens), the fp32 gradient of the
+  projection and the 16-bit gradient of its input instead;
+- backward, at its peak: the blocks run last to first, so at block i the gradient shards of blocks i and after (and
+  the root's) are there beside the activations saved by blocks i and before; the peak is the largest of these sums (at
+  the first block when every block is checkpointed, unless the activations outweigh the gradients). Beside them: the
+  parameters and optimizer state, what is gathered (the root group in full plus its full gradient, the two largest
+  blocks, the running one and the prefetched one, and one block's full gradient before its reduce-scatter; in a shard
+  group of one only the gradients, as a gather there aliases the shard), and one block's recomputation and backward,
+  ``LAYER_SAVED`` values plus ``LAYER_FP32`` fp32 values per token, twice (its activations and their gradients). A
+  compiled block (``wrap(compile=...)``, on by default on a GPU) fuses its norms and elementwise work and keeps
+  neither the fp32 values nor a second copy: ``LAYER_SAVED`` values per token. Against 13 peaks measured on H100s and
+  H200s (1B, 3B and 8B on one, two and four GPUs; eager and compiled blocks; checkpointed, kept and under a budget,
+  with the optimizer and the parameters offloaded) this reads from -7.6 % to +5.2 %.
 Saved activations: each checkpointed block keeps its input, ``tokens x hidden`` values; an
 un-checkpointed block keeps what its layer saves (``LAYER_SAVED`` values per token). Gradients that
 accumulate over micro-batches are alive at the later losses too: the first moment then reads low.
@@ -546,8 +543,7 @@ def make_plan(model: nn.Module, world_size: int, *, layers: Optional[LayerPolicy
         largest = sorted((b.padded_bytes for b in block_plans), reverse=True)
         largest_grad = max((sum(b.padded_total * _itemsize(b.dtype) for b in bufs if b.requires_grad)
                             for bufs in block_buffers), default=0)
-        # A shard group of one gathers by aliasing its shards (engine/group.py): no gathered copies, except of the
-        # blocks whose shards are on the host.
+        # A gather in a shard group of one aliases its shard (engine/group.py): no copy unless the shard is on the host.
         root_copy = 0 if shards == 1 else root.padded_bytes
         block_copies = largest if shards > 1 or offload.params else []
         gathered = root_copy + root_grad + sum(block_copies[:2]) + largest_grad
