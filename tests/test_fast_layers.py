@@ -39,9 +39,9 @@ def test_compiled_blocks_train_like_the_unwrapped_model(results, name):
 
 def test_blocks_of_one_class_share_their_compilation(results):
     """One graph for every block, in forward and in its recomputation in backward (checkpointed blocks): the
-    forward runs it without the on-demand mode that is absent in backward."""
+    forward runs it without the on-demand mode that is absent in backward. The final norm adds one."""
     world, r = case(results, "compiled_graphs_shared")
-    assert r["graphs_3_blocks"] == 1 and r["graphs_6_blocks"] == 1, f"world {world}: {r}"
+    assert r["graphs_3_blocks"] == 2 and r["graphs_6_blocks"] == 2, f"world {world}: {r}"  # the blocks', the norm's
 
 
 def test_a_layer_reading_another_blocks_parameter_runs_eagerly_on_every_rank(results):
@@ -129,9 +129,34 @@ def test_a_block_that_does_not_compile_runs_eagerly_with_one_warning(world):
         warnings.simplefilter("always")
         losses, state = _train(failing)
     messages = [str(w.message) for w in caught if "did not compile" in str(w.message)]
-    assert len(messages) == 2, messages  # one per block, once: the next step runs eagerly without asking again
-    assert "model.layers.0" in messages[0] and "this backend compiles nothing" in messages[0]
+    # One per block and one for the final norm, once: the next step runs eagerly without asking again.
+    assert len(messages) == 3, messages
+    assert "block 'model.layers.0'" in messages[0] and "this backend compiles nothing" in messages[0]
+    assert "module 'model.norm'" in messages[2]
     eager_losses, eager_state = _train(eager)
+    assert losses == pytest.approx(eager_losses, rel=1e-6) and _max_gap(state, eager_state) <= 1e-6
+
+
+def test_the_final_norm_compiles_and_torchs_own_modules_stay_eager(world):
+    """Outside the blocks, the model's own modules that also run inside them (Llama's final RMSNorm) compile; torch's
+    single-kernel modules (GPT-2's final LayerNorm, the embeddings, the head) and the blocks' parents do not."""
+    from torch._dynamo.utils import counters
+
+    from bmtwrap.wrap.compiled import compiled_outside_blocks
+
+    llama = tiny_llama()
+    assert compiled_outside_blocks(llama, list(llama.model.layers)) == [("model.norm", llama.model.norm)]
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4,
+                                                                 n_positions=32))
+    assert compiled_outside_blocks(gpt2, list(gpt2.transformer.h)) == []
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = bmt.wrap(tiny_llama(), compile={"backend": "aot_eager"})
+    losses, state = _train(model)
+    assert not model.model.norm.forward.is_eager()
+    assert counters["stats"]["unique_graphs"] == 2  # one for both blocks, one for the final norm
+    eager_losses, eager_state = _train(bmt.wrap(tiny_llama(), compile=False))
     assert losses == pytest.approx(eager_losses, rel=1e-6) and _max_gap(state, eager_state) <= 1e-6
 
 

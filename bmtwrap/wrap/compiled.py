@@ -48,6 +48,12 @@ eager mode: if that succeeds the block stays eager, with one warning naming it a
 error; if eager mode raises too, the error is the model's and eager mode's is raised. Running out of
 memory is not a compilation failure and is raised as it is.
 
+Outside the blocks, a model's own small modules that also run inside them are compiled the same way: the
+final norm after the last layer (``compiled_outside_blocks``). In eager mode a Llama's final RMSNorm runs some 20
+kernels over the last hidden state in fp32 (its upcast, square, mean, scale and casts, each a pass over memory):
+1.5 ms of a 1B step at 8 x 2048 tokens on an H200, where the compiled norm takes a few passes. Modules of
+torch's own (``nn.LayerNorm``, ``nn.Linear``, ``nn.Embedding``) already run as one kernel and stay eager.
+
 ``compile="auto"`` (the default) compiles on CUDA when triton is importable (on H100s: +15 % at 8B and
 +24 % at 1B, for a first step a few seconds longer), and leaves the CPU eager: on two cores a Llama of
 four 512-wide layers ran 5 % faster compiled, after a first step of 17 s instead of 1.3 s.
@@ -67,7 +73,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode, _pop_
 from ..engine.on_demand import OnDemandGathers
 from ..engine.schedule import engine
 
-__all__ = ["CompileOption", "compile_options", "compiled_forward"]
+__all__ = ["CompileOption", "compile_options", "compiled_forward", "compiled_outside_blocks"]
 
 CompileOption = Union[bool, str, Mapping[str, Any]]
 
@@ -200,9 +206,21 @@ def _graph_break(error: Exception) -> bool:
     return isinstance(error, unsupported) and "Observed exception" not in str(error)
 
 
-def compiled_forward(forward: Callable[..., Any], name: str, options: Dict[str, Any]) -> Callable[..., Any]:
+def compiled_outside_blocks(model: nn.Module, blocks: Iterable[nn.Module]) -> List[Tuple[str, nn.Module]]:
+    """The modules of ``model`` outside every block that are compiled on their own (see [Note: compiled blocks]):
+    those without children, with parameters, whose class is defined outside torch and also runs inside a block."""
+    inside = {id(m) for block in blocks for m in block.modules()}
+    classes = {type(m) for block in blocks for m in block.modules()}
+    return [(name, module) for name, module in model.named_modules()
+            if id(module) not in inside and type(module) in classes
+            and not type(module).__module__.startswith("torch.")
+            and next(module.children(), None) is None and next(module.parameters(recurse=False), None) is not None]
+
+
+def compiled_forward(forward: Callable[..., Any], what: str, options: Dict[str, Any]) -> Callable[..., Any]:
     """``forward`` compiled with ``torch.compile(**options)``; in pieces when it does not trace as one graph; in
-    eager mode for good when a compiled call raises and the eager call does not (see [Note: compiled blocks])."""
+    eager mode for good when a compiled call raises and the eager call does not (see [Note: compiled blocks]).
+    ``what`` names the module in the warning (``"block 'model.layers.0'"``)."""
     _fix_cache_order()
     state = {"compiled": _compile(forward, options), "eager": False,
              "pieces": not options.get("fullgraph", False)}
@@ -236,7 +254,7 @@ def compiled_forward(forward: Callable[..., Any], name: str, options: Dict[str, 
         out = forward(*args, **kwargs)  # eager mode's own error, if it has one, is the one raised
         state["eager"] = True
         message = " ".join(str(failure).split())
-        warnings.warn(f"bmtwrap: block {name!r} did not compile and runs in eager mode from now on "
+        warnings.warn(f"bmtwrap: {what} did not compile and runs in eager mode from now on "
                       f"({type(failure).__name__}: {message[:400]}); wrap(compile=False) turns compilation off",
                       RuntimeWarning, stacklevel=2)
         return out

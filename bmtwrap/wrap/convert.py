@@ -45,7 +45,7 @@ from ..engine.schedule import engine
 from .adapters import ModelAdapter, adapter_for
 from .auto import AutoRecompute, auto_recompute
 from .attention import with_attention_order
-from .compiled import CompileOption, compile_options, compiled_forward
+from .compiled import CompileOption, compile_options, compiled_forward, compiled_outside_blocks
 from .detect import LayerPolicy
 from .fp8 import FP8Option, check_device, convert_blocks, describe, float8_choice
 from .instance_forward import replace_forward
@@ -270,7 +270,7 @@ def _install_forward(module: nn.Module, runner: BlockRunner, compile_with: Optio
     ``None``, under the attention kernel order for ``device`` (see [Note: the attention kernel]); returns what
     undoes it."""
     original = module.forward  # may be an instance forward set by another library (accelerate's hooks)
-    compiled = None if compile_with is None else compiled_forward(original, runner.name, compile_with)
+    compiled = None if compile_with is None else compiled_forward(original, f"block {runner.name!r}", compile_with)
     body = with_attention_order(compiled or original, device)
 
     @functools.wraps(original)
@@ -518,6 +518,10 @@ def wrap(model: nn.Module, *, layers: Optional[LayerPolicy] = None, checkpoint: 
         restore_forwards.append(_install_forward(module, runner, compile_with, ctx.device))
         handles.append(register_full_state_dict(module))
         runners.append((module, runner))
+    if compile_with is not None:
+        for name, module in compiled_outside_blocks(model, [m for _, m in blocks]):
+            restore_forwards.append(replace_forward(module, compiled_forward(module.forward, f"module {name!r}",
+                                                                            compile_with)))
     owned = {id(slot.param) for _, runner in runners for slot in runner.group.slots}
     # The root group stays on the device even with offload_params: it is gathered for the whole step
     # anyway, so its shard costs 1/W of it, and Hugging Face's model.device (the first parameter's,

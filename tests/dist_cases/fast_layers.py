@@ -124,8 +124,9 @@ def compiled_lora() -> Dict[str, Any]:
 
 
 def compiled_graphs_shared() -> Dict[str, Any]:
-    """Blocks of one class share their compilation (regional compilation): twice the blocks, as many graphs;
-    checkpointed (the CPU's checkpoint="auto"), so the recomputation in backward runs the compiled call too."""
+    """Blocks of one class share their compilation (regional compilation): twice the blocks, as many graphs (one for
+    every block, one for the final norm); checkpointed (the CPU's checkpoint="auto"), so the recomputation in
+    backward runs the compiled call too."""
     from torch._dynamo.utils import counters
 
     graphs = {}
