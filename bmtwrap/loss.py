@@ -159,13 +159,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         weights, _ = _row_weights(targets, ignore_index, reduction)
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if ctx.needs_input_grad[1] else None
+        # Written whole by the first chunk's product; zeros only when there is none.
+        grad_weight = (torch.empty if hidden.shape[0] else torch.zeros)(
+            weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             h = hidden[start : start + chunk]
             t = targets[start : start + chunk]
-            w = weights[start : start + chunk]
+            w = weights[start : start + chunk].contiguous()
             logits = h @ weight.T  # (chunk, V): the only logits alive at a time
             tanh = None
             if softcap is not None:  # cap * tanh(logits / cap), in the logits' dtype as transformers does it
@@ -175,15 +176,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                                   label_smoothing=label_smoothing)
             total += (rows * w).sum()
             if need_grad:
-                ops.cross_entropy_backward_(logits, t, lse, w.contiguous(), ignore_index=ignore_index,
+                ops.cross_entropy_backward_(logits, t, lse, w, ignore_index=ignore_index,
                                             label_smoothing=label_smoothing)
                 if tanh is not None:  # d(cap * tanh(x / cap))/dx = 1 - tanh(x / cap)^2
                     logits.mul_(tanh.square_().neg_().add_(1))
                 if grad_hidden is not None:
                     grad_hidden[start : start + chunk] = logits @ weight
                 if grad_weight is not None:
-                    _accumulate_product(grad_weight, logits.T, h)
-        ctx.grads = (grad_hidden, grad_weight)  # consumed (scaled in place) by the one backward
+                    _accumulate_product(grad_weight, logits.T, h, first=start == 0)
+        ctx.grads = (grad_hidden, grad_weight)  # consumed (scaled) by the one backward
         ctx.weight_dtype = weight.dtype
         return total
 
@@ -192,15 +193,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if ctx.grads is None:
             raise RuntimeError("linear_cross_entropy's backward runs once; retain_graph is not supported")
         (grad_hidden, grad_weight), ctx.grads = ctx.grads, None
-        scale = grad_out.float()
-        # In place: a scaled copy of the fp32 weight gradient would double the peak.
-        gh = grad_hidden.mul_(scale.to(grad_hidden.dtype)) if grad_hidden is not None else None
-        gw = grad_weight.mul_(scale).to(ctx.weight_dtype) if grad_weight is not None else None
+        scale = grad_out.float().contiguous()
+        # The hidden state's gradient scaled in place; the fp32 weight gradient scaled and rounded into the weight's
+        # dtype in the same pass (ops.scaled_copy_: the scale stays on the device).
+        gh = ops.scaled_copy_(grad_hidden, grad_hidden, scale) if grad_hidden is not None else None
+        gw = None
+        if grad_weight is not None:
+            gw = ops.scaled_copy_(torch.empty_like(grad_weight, dtype=ctx.weight_dtype), grad_weight, scale)
         return gh, gw, None, None, None, None, None, None
 
 
-def _accumulate_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``out += a @ b`` for an fp32 ``out`` and low-precision ``a``, ``b``.
+def _accumulate_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """``out += a @ b`` for an fp32 ``out`` and low-precision ``a``, ``b``; ``out = a @ b`` when ``first`` (what
+    ``out`` held is then never read, so it need not be zeroed).
 
     On a GPU the matmul accumulates into ``out`` in its own fp32 epilogue (``addmm`` with
     ``out_dtype``): no temporary, no second pass over ``out``. Elsewhere (and where that form is
@@ -208,10 +213,14 @@ def _accumulate_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> 
     temporary to ``_VOCAB_SLICE`` rows.
     """
     if out.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and a.dtype == b.dtype:
-        torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+        # beta=0: torch's addmm ignores the input then, nan and inf included.
+        torch.addmm(out, a, b, beta=0 if first else 1, out_dtype=torch.float32, out=out)
         return
     for v in range(0, a.shape[0], _VOCAB_SLICE):
-        out[v : v + _VOCAB_SLICE].add_(a[v : v + _VOCAB_SLICE] @ b)
+        if first:
+            out[v : v + _VOCAB_SLICE].copy_(a[v : v + _VOCAB_SLICE] @ b)
+        else:
+            out[v : v + _VOCAB_SLICE].add_(a[v : v + _VOCAB_SLICE] @ b)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,

@@ -19,10 +19,11 @@
 #include "cuda/inf_nan.h"
 #include "cuda/offload_link.h"
 #endif
-// CUDA fused Adam and cross-entropy (cuda/adam.h, cuda/cross_entropy.h)
+// CUDA fused Adam, cross-entropy and the scaled copy (cuda/adam.h, cuda/cross_entropy.h, cuda/scale.h)
 #ifdef BMTWRAP_WITH_CUDA
 #include "cuda/adam.h"
 #include "cuda/cross_entropy.h"
+#include "cuda/scale.h"
 #endif
 
 namespace py = pybind11;
@@ -225,5 +226,9 @@ PYBIND11_MODULE(_C, m) {
         py::call_guard<py::gil_scoped_release>(),
         "Enqueue on stream the cross-entropy backward: overwrite the (N, V) logits with "
         "(softmax - (1 - eps) * onehot - eps / V) * grad_rows[:, None], computed in fp32 from the forward's lse.");
+  m.def("scaled_copy_cuda", &bmtwrap::cuda::scaled_copy_cuda, "in"_a, "in_dtype"_a, "out"_a, "out_dtype"_a,
+        "numel"_a, "scale_ptr"_a, "stream"_a, py::call_guard<py::gil_scoped_release>(),
+        "Enqueue on stream out[i] = in[i] * scale rounded to out_dtype, scale being the fp32 at device address "
+        "scale_ptr. Runs on the current CUDA device.");
 #endif
 }

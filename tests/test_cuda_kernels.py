@@ -708,3 +708,55 @@ def test_adam_reference_unless_skips_without_sync(with_out: bool) -> None:
     assert all(torch.equal(a, b) for a, b in zip((param, exp_avg, exp_avg_sq), ref))
     if with_out:
         assert torch.equal(bits(out), bits(param.to(torch.bfloat16)))
+
+
+# ============================================================================================ scaled copy
+
+
+def scaled_inputs(numel: int, dtype: torch.dtype, device: str, offset: int) -> torch.Tensor:
+    """Values of every magnitude bf16 and fp16 round differently (and fp16's overflow), `offset` elements into a
+    larger buffer so that the start may be off a 16-byte boundary."""
+    g = generator(numel + offset, device)
+    flat = torch.randn(numel + offset, generator=g, device=device) * torch.logspace(-6, 5, numel + offset,
+                                                                                     device=device)
+    return flat.to(dtype)[offset:]
+
+
+@cuda
+@pytest.mark.parametrize("src_dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("out_dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("numel, src_offset, out_offset", [(1, 0, 0), (13, 0, 0), (4099, 0, 0), (4099, 1, 0),
+                                                          (4099, 0, 3), (1 << 20, 0, 0)])
+def test_scaled_copy_matches_torch_bit_for_bit(device: str, src_dtype: torch.dtype, out_dtype: torch.dtype,
+                                               numel: int, src_offset: int, out_offset: int) -> None:
+    """The kernel gives what torch's fp32 product rounded to the output's dtype gives, vectors and tail alike."""
+    src = scaled_inputs(numel, src_dtype, device, src_offset)
+    for value in (1.0, 0.3717, -2.5e-3, math.inf):
+        scale = torch.tensor([value], device=device)
+        out = torch.full((numel + out_offset,), math.nan, dtype=out_dtype, device=device)[out_offset:]
+        assert ops.scaled_copy_(out, src, scale) is out
+        assert torch.equal(bits(out), bits((src.float() * value).to(out_dtype))), (value, numel)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_scaled_copy_in_place(device: str, dtype: torch.dtype) -> None:
+    src = scaled_inputs(10_001, dtype, device, 0)
+    expected = (src.float() * 0.3717).to(dtype)
+    ops.scaled_copy_(src, src, torch.tensor([0.3717], device=device))
+    assert torch.equal(bits(src), bits(expected))
+
+
+def test_scaled_copy_on_the_cpu_and_its_errors() -> None:
+    src = scaled_inputs(1000, torch.float32, "cpu", 0)
+    out = torch.empty(1000, dtype=torch.bfloat16)
+    ops.scaled_copy_(out, src, torch.tensor(0.3717))
+    assert torch.equal(bits(out), bits((src * 0.3717).to(torch.bfloat16)))
+    with pytest.raises(ValueError, match="out has 999 elements but src 1000"):
+        ops.scaled_copy_(out[:999], src, torch.tensor(1.0))
+    with pytest.raises(TypeError, match="scale has dtype torch.float64"):
+        ops.scaled_copy_(out, src, torch.tensor(1.0, dtype=torch.float64))
+    with pytest.raises(ValueError, match="scale has 2 elements"):
+        ops.scaled_copy_(out, src, torch.ones(2))
+    with pytest.raises(ValueError, match="share memory"):
+        ops.scaled_copy_(src[1:].view(torch.int32).view(torch.float32)[:999], src[:999], torch.tensor(1.0))

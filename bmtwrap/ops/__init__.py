@@ -13,7 +13,8 @@ One module per kernel family, mirroring ``csrc/``:
   bf16 weights plus low halves; ``csrc/common.h``, ``csrc/cuda/adam.cu``);
 - ``cross_entropy``: :func:`cross_entropy_forward`, :func:`cross_entropy_backward_`
   (``csrc/cuda/cross_entropy.cu``);
-- ``offload``: :class:`OffloadQueue` (``csrc/cpu/offload.cpp``, ``csrc/cuda/offload_link.cu``).
+- ``offload``: :class:`OffloadQueue` (``csrc/cpu/offload.cpp``, ``csrc/cuda/offload_link.cu``);
+- ``scale``: :func:`scaled_copy_` (``csrc/cuda/scale.cu``).
 
 Every op ``<op>`` has a ``_<op>_reference`` written in plain PyTorch. It is what runs when the extension is
 missing (or was built without CUDA and the tensor is on a GPU), with one warning per process, and it is
@@ -27,6 +28,7 @@ from .cross_entropy import cross_entropy_backward_, cross_entropy_forward
 from .inf_nan import has_inf_nan, has_inf_nan_into
 from .master_split import adam_step_split, join_master, split_master
 from .offload import OffloadQueue, OffloadTicket, OffloadUpdate
+from .scale import scaled_copy_
 
 # The plain-PyTorch references and the kernel tests' hooks, under the names tests/ reach them by
 # (ops._adam_reference, ...); not part of the public API.
@@ -37,6 +39,7 @@ from .adam_cuda import _adam_reference_unless
 from .cross_entropy import _cross_entropy_backward_reference, _cross_entropy_forward_reference
 from .inf_nan import _has_inf_nan_reference
 from .master_split import _join_master_reference, _split_master_reference
+from .scale import _scaled_copy_reference
 
 __all__ = [
     "OffloadQueue",
@@ -52,5 +55,6 @@ __all__ = [
     "has_inf_nan",
     "has_inf_nan_into",
     "join_master",
+    "scaled_copy_",
     "split_master",
 ]
