@@ -54,6 +54,19 @@ def test_nonfinite_names_the_parameters(results):
     assert "'0.up.weight'" in outcome, outcome
 
 
+def test_the_check_reads_each_blocks_flat_gradient_once(results):
+    """One check per block's flat gradient, not one per parameter; the check of some parameters reads none of the
+    others' gradients; a gradient the user replaced is checked on its own; a NaN on one rank is found on all."""
+    world, r = case(results, "one_check_per_block")
+    assert r["clean"]["found"] is False and r["clean"]["checks"] == 3, f"world {world}: {r}"
+    assert world == 3 or r["grads"] > 3, r  # at three ranks, rank 0 holds a piece of one parameter per block
+    assert r["nan"]["found"] is True and r["nan"]["checks"] == 3, f"world {world}: {r}"
+    assert r["first_block"]["found"] is False and r["first_block"]["checks"] == 1, f"world {world}: {r}"
+    # The replaced gradient's block is checked view by view: more checks wherever it held more than one view.
+    assert r["replaced"]["found"] is True and r["replaced"]["checks"] >= 3, f"world {world}: {r}"
+    assert world == 3 or r["replaced"]["checks"] > 3, f"world {world}: {r}"
+
+
 def test_offload_in_backward_reports_damaged_weights(results):
     _, r = case(results, "offload_in_backward_nonfinite")
     assert r["outcome"].startswith("raised: ") and "reload the last checkpoint" in r["outcome"], r

@@ -350,6 +350,10 @@ class FlatBuffer:
             for p, view in zip(params, views):
                 view._bmtwrap_flat_grad = shard  # the flat tensor lives as long as a view does
                 p.grad = view
+            if len(slots) == len(self.slots):
+                # Every parameter's gradient is a view and the rest of the shard is padding, zeroed by
+                # reduce_grads: a check of the views may check the shard (optim.nonfinite._to_check).
+                shard._bmtwrap_whole_views = sum(1 for v in views if v.numel() > 0)
             self._grad_flat = weakref.ref(shard)
             self._grad_views = [weakref.ref(v) for v in views]
             return

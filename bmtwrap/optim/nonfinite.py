@@ -60,6 +60,28 @@ def _grads(params: Iterable[torch.Tensor]) -> List[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None and p.grad.numel() > 0]
 
 
+def _to_check(grads: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The tensors whose check covers ``grads``: a block's flat gradient once, where ``grads`` hold every view of it
+    (:meth:`FlatBuffer.accumulate_grad` gives each trainable parameter one; the rest of it, padding, is zeros), so
+    that one kernel checks the block; each gradient on its own otherwise. A check per gradient costs a launch: 146
+    of them took 1.5 ms of a 1B step on an H200, against 0.9 ms of kernel time."""
+    out: List[torch.Tensor] = []
+    by_flat: Dict[int, List[torch.Tensor]] = {}
+    for grad in grads:
+        flat = getattr(grad, "_bmtwrap_flat_grad", None)
+        if flat is None:
+            out.append(grad)
+        else:
+            by_flat.setdefault(id(flat), []).append(grad)
+    for views in by_flat.values():
+        flat = views[0]._bmtwrap_flat_grad
+        start, end = flat.data_ptr(), flat.data_ptr() + flat.nbytes
+        whole = (getattr(flat, "_bmtwrap_whole_views", None) == len({id(v) for v in views})
+                 and all(start <= v.data_ptr() < end for v in views))  # none given other data since
+        out.extend([flat] if whole else views)
+    return out
+
+
 def _handed(params: Iterable[torch.Tensor]) -> List[HandedGrad]:
     """What offload optimizers took off the ``.grad`` of ``params`` during this step's backward."""
     handed = (handed_grad(p) for p in params if p.grad is None)
@@ -107,10 +129,11 @@ def start_check(params: Iterable[torch.Tensor]) -> PendingCheck:
     grads = _grads(params)
     device = engine().ctx.device if is_initialized() else (grads[0].device if grads else torch.device("cpu"))
     flags: Dict[torch.device, torch.Tensor] = {device: torch.zeros(1, dtype=torch.uint8, device=device)}
-    for grad in grads:
+    for grad in _to_check(grads):
         # Gradients of parameters offloaded to the CPU are checked there.
-        flag = flags.setdefault(grad.device, torch.zeros(1, dtype=torch.uint8, device=grad.device))
-        ops.has_inf_nan_into(grad.detach().contiguous(), flag)
+        if grad.device not in flags:
+            flags[grad.device] = torch.zeros(1, dtype=torch.uint8, device=grad.device)
+        ops.has_inf_nan_into(grad.detach().contiguous(), flags[grad.device])
     flag = flags.pop(device)
     for other in flags.values():
         flag = torch.maximum(flag, other.to(device))

@@ -152,6 +152,43 @@ def nonfinite_cases() -> Dict[str, Any]:
     return out
 
 
+def one_check_per_block() -> Dict[str, Any]:
+    """The check reads each block's flat gradient once where every parameter's gradient is a view of it, and each
+    gradient alone otherwise: a NaN in one rank's piece of one gradient is found on every rank either way."""
+    from bmtwrap.optim import nonfinite
+
+    torch.manual_seed(27)
+    model = bmt.wrap(nn.Sequential(Mlp(), Mlp(), Mlp()))
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(28))
+    (model(x) ** 2).mean().backward()
+    params = list(model.parameters())
+    checked: List[int] = []
+    real = nonfinite.ops.has_inf_nan_into
+
+    def counting(tensor: torch.Tensor, flag: torch.Tensor) -> None:
+        checked.append(tensor.numel())
+        real(tensor, flag)
+
+    def check(subset: List[torch.Tensor]) -> Dict[str, Any]:
+        checked.clear()
+        return {"found": nonfinite.start_check(subset).found(), "checks": len(checked), "elements": sum(checked)}
+
+    out = {"grads": sum(1 for p in params if p.grad is not None and p.grad.numel() > 0)}
+    nonfinite.ops.has_inf_nan_into = counting
+    try:
+        out["clean"] = check(params)
+        poisoned = next(p for p in params[::-1] if p.grad is not None and p.grad.numel() > 0)  # the last block's
+        if bmt.rank() == bmt.world_size() - 1:
+            poisoned.grad.view(-1)[-1] = float("nan")
+        out["nan"] = check(params)
+        out["first_block"] = check(params[:6])  # the first block's parameters: its flat gradient, not the last's
+        poisoned.grad = poisoned.grad.clone()  # no longer a view: its block is checked one gradient at a time
+        out["replaced"] = check(params)
+    finally:
+        nonfinite.ops.has_inf_nan_into = real
+    return out
+
+
 def offload_in_backward_nonfinite() -> Dict[str, Any]:
     torch.manual_seed(25)
     model = bmt.wrap(nn.Sequential(Mlp(), Mlp()))
@@ -172,4 +209,5 @@ if __name__ == "__main__":
         "cross_block": lambda: train_pair(CrossBlock),
         "nonfinite": nonfinite_cases,
         "offload_in_backward_nonfinite": offload_in_backward_nonfinite,
+        "one_check_per_block": one_check_per_block,
     })
