@@ -160,6 +160,19 @@ def test_the_final_norm_compiles_and_torchs_own_modules_stay_eager(world):
     assert losses == pytest.approx(eager_losses, rel=1e-6) and _max_gap(state, eager_state) <= 1e-6
 
 
+def test_a_hook_added_after_compilation_runs(world):
+    """Dynamo guards on the blocks' hooks while compiling them: a forward hook registered after the first step makes
+    the block compile again with it, instead of running the graph traced without it."""
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for compile in ({"backend": "aot_eager"}, False):
+        model = bmt.wrap(tiny_llama(), compile=compile)
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.model.layers[1].mlp.register_forward_hook(lambda module, args, out: out * 0.5)
+        losses.append(model(input_ids=ids, labels=ids).loss.item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
 class _Breaking(torch.nn.Module):
     """A layer dynamo cannot trace as one graph."""
 
