@@ -62,7 +62,7 @@ def _grads(params: Iterable[torch.Tensor]) -> List[torch.Tensor]:
 
 def _to_check(grads: List[torch.Tensor]) -> List[torch.Tensor]:
     """The tensors whose check covers ``grads``: a block's flat gradient once, where ``grads`` hold every view of it
-    (:meth:`FlatBuffer.accumulate_grad` gives each trainable parameter one; the rest of it, padding, is zeros), so
+    (``FlatBuffer.accumulate_grad`` gives each trainable parameter one; the rest of it, padding, is zeros), so
     that one kernel checks the block; each gradient on its own otherwise. A check per gradient costs a launch: 146
     of them took 1.5 ms of a 1B step on an H200, against 0.9 ms of kernel time."""
     out: List[torch.Tensor] = []
