@@ -182,6 +182,19 @@ def check_float_tensor(name: str, tensor: object) -> None:
         raise ValueError(f"{name} is not contiguous; call .contiguous() first")
 
 
+def check_one_element(name: str, tensor: object, dtype: torch.dtype, *, or_none: bool = False, dtype_note: str = "",
+                      example: str = "") -> None:
+    """A one-element tensor of ``dtype`` (a flag, a scale): the type, dtype, layout, device type and size checked,
+    each failure naming ``name``; ``or_none``, ``dtype_note`` and ``example`` add to the messages."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor{' or None' if or_none else ''}, got {type(tensor).__name__}")
+    if tensor.dtype != dtype:
+        raise TypeError(f"{name} has dtype {tensor.dtype}; expected {dtype}{dtype_note}")
+    check_layout_and_device(name, tensor)
+    if tensor.numel() != 1:
+        raise ValueError(f"{name} has {tensor.numel()} elements; expected 1{example}")
+
+
 def check_layout_and_device(name: str, tensor: torch.Tensor) -> None:
     if tensor.layout != torch.strided:
         raise NotImplementedError(f"{name} has layout {tensor.layout}; bmtwrap.ops supports torch.strided only")

@@ -177,10 +177,4 @@ def _check_adam_cuda_tensors(
 
 
 def _check_skip_flag(skip_if: object) -> None:
-    if not isinstance(skip_if, torch.Tensor):
-        raise TypeError(f"skip_if must be a torch.Tensor or None, got {type(skip_if).__name__}")
-    if skip_if.dtype != torch.uint8:
-        raise TypeError(f"skip_if has dtype {skip_if.dtype}; expected torch.uint8 (as has_inf_nan_into writes)")
-    _ext.check_layout_and_device("skip_if", skip_if)
-    if skip_if.numel() != 1:
-        raise ValueError(f"skip_if has {skip_if.numel()} elements; expected 1")
+    _ext.check_one_element("skip_if", skip_if, torch.uint8, or_none=True, dtype_note=" (as has_inf_nan_into writes)")

@@ -116,14 +116,6 @@ def _launch_has_inf_nan_cuda(ext: ModuleType, tensor: torch.Tensor, flag: torch.
 
 
 def _check_flag(flag: object, device: torch.device) -> None:
-    if not isinstance(flag, torch.Tensor):
-        raise TypeError(f"flag must be a torch.Tensor, got {type(flag).__name__}")
-    if flag.dtype != torch.uint8:
-        raise TypeError(f"flag has dtype {flag.dtype}; expected torch.uint8")
-    _ext.check_layout_and_device("flag", flag)
-    if flag.numel() != 1:
-        raise ValueError(
-            f"flag has {flag.numel()} elements; expected 1, e.g. torch.zeros(1, dtype=torch.uint8, device=...)"
-        )
+    _ext.check_one_element("flag", flag, torch.uint8, example=", e.g. torch.zeros(1, dtype=torch.uint8, device=...)")
     if flag.device != device:
         raise ValueError(f"flag is on {flag.device} but tensor is on {device}; expected both on the same device")

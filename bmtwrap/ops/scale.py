@@ -62,12 +62,6 @@ def _scaled_copy_reference(src: torch.Tensor, scale: torch.Tensor) -> torch.Tens
 
 
 def _check_scale(scale: object, device: torch.device) -> None:
-    if not isinstance(scale, torch.Tensor):
-        raise TypeError(f"scale must be a torch.Tensor, got {type(scale).__name__}")
-    if scale.dtype != torch.float32:
-        raise TypeError(f"scale has dtype {scale.dtype}; expected torch.float32")
-    _ext.check_layout_and_device("scale", scale)
-    if scale.numel() != 1:
-        raise ValueError(f"scale has {scale.numel()} elements; expected 1")
+    _ext.check_one_element("scale", scale, torch.float32)
     if scale.device != device:
         raise ValueError(f"scale is on {scale.device} but src is on {device}; expected one device")
