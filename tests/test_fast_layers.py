@@ -52,6 +52,13 @@ def test_a_layer_reading_another_blocks_parameter_runs_eagerly_on_every_rank(res
     assert r["loss_max_rel"] <= 1e-6 and r["grad_max_abs"] <= 1e-6 and r["param_max_abs"] <= 1e-6, r
 
 
+def test_a_checkpointed_compiled_layer_may_call_a_module_of_the_root(results):
+    """A module outside the layers, called by each (a shared norm): forward and the recomputation in backward see its
+    full parameters alike (torch's checkpoint refused the recomputation when they did not), and training is exact."""
+    world, r = case(results, "compiled_calls_a_root_module")
+    assert r["loss_max_rel"] <= 1e-5 and r["grad_max_abs"] <= 1e-5 and r["param_max_abs"] <= 1e-5, f"world {world}: {r}"
+
+
 def test_the_check_for_other_blocks_parameters_costs_nothing_once_compiled(results):
     """The graphs are checked when compiled (the first step); the steps after run the compiled code with no check
     and no torch-function mode around it (each call of one cost host time that a fast GPU waited for)."""

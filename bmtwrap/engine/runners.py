@@ -123,8 +123,6 @@ class BlockRunner:
         exclude = set(exclude)
         self.group: ParamGroup = build_group(ctx, self._engine.registry, module, name, self._reduced, reduce_dtype,
                                              exclude=exclude, allow_meta=allow_meta, offload=offload)
-        # Parameters under this module that another group (the root) owns: shared or tied weights.
-        self.reads_foreign = any(id(p) in exclude for p in module.parameters())
         # Told the bytes a recomputation kept alive (checkpoint="auto" measures with it), read with _allocated.
         self._activation_probe: Optional[Callable[["BlockRunner", int], None]] = None
         self._allocated: Optional[Callable[[], int]] = None
@@ -215,11 +213,11 @@ class BlockRunner:
         if not in_backward():
             return self._run_module(call, args, kwargs)
         try:
-            if self.reads_foreign:
-                # Recomputing in backward: the root has swapped its full views out since forward.
-                with self._engine.roots_shown():
-                    return self._run_module(call, args, kwargs)
-            return self._run_module(call, args, kwargs)
+            # Recomputing in backward: the root swapped its full views out when its forward ended. Shown again, a block
+            # that reads the root's parameters (tied weights, or a module of the root it calls) runs what it ran in
+            # forward: a compiled block the same graph, which must save the same tensors.
+            with self._engine.roots_shown():
+                return self._run_module(call, args, kwargs)
         except _StopRecomputation:  # checkpointing ends a recomputation early by raising this
             raise
         except BaseException as error:

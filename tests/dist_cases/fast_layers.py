@@ -156,6 +156,14 @@ def compiled_cross_block() -> Dict[str, Any]:
     return result
 
 
+def compiled_calls_a_root_module() -> Dict[str, Any]:
+    """Checkpointed compiled layers that call a module of the root: its full parameters are shown again while they
+    recompute in backward, so the recomputation runs the forward's graph and saves the same tensors."""
+    from robustness import CallsRootModule, train_pair
+
+    return train_pair(CallsRootModule, compile=AOT, checkpoint=True)
+
+
 def compiled_checks_when_traced() -> Dict[str, Any]:
     """The check for other blocks' parameters runs when a block's graph is compiled, not each time the compiled code
     runs: in the first step (which compiles) it checks, in the second no check and no torch-function mode of ours
@@ -222,6 +230,7 @@ CASES = {
     "compiled_graphs_shared": compiled_graphs_shared,
     "compiled_cross_block": compiled_cross_block,
     "compiled_checks_when_traced": compiled_checks_when_traced,
+    "compiled_calls_a_root_module": compiled_calls_a_root_module,
     **{f"head_loss_{family}": (lambda family=family: head_loss(family)) for family in FAMILIES},
     "head_loss_items_in_batch": head_loss_items_in_batch,
     "head_loss_kept_logits": head_loss_kept_logits,

@@ -76,6 +76,28 @@ class CrossBlock(nn.Module):
         return x
 
 
+class CallsRootModule(nn.Module):
+    """Layers that each call a module of the root group: a norm outside the layers, kept out of their parameters."""
+
+    class Layer(Mlp):
+        def __init__(self, shared: nn.Module) -> None:
+            super().__init__()
+            self.shared = [shared]  # a plain list: the norm is the root's, not the layer's
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(self.shared[0](x))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.final = nn.LayerNorm(8)
+        self.layers = nn.ModuleList([self.Layer(self.final) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.final(x)
+
+
 def train_pair(make: Callable[[], nn.Module], steps: int = 3, **options: Any) -> Dict[str, Any]:
     torch.manual_seed(21)
     ref = make()
