@@ -6,7 +6,7 @@ Its pipelined subclass, ``PipelineTransformerBlockList``, is in ``pipeline.py``.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, Iterable, Iterator, List, Sequence, Set, Union
+from typing import Any, Dict, Iterable, Iterator, List, Set, Union
 
 import torch
 from torch import nn

@@ -139,8 +139,6 @@ def _read_checkpoint(folder: Path) -> _Checkpoint:
         raise FileNotFoundError(
             f"{folder} holds neither {WEIGHTS_NAME} nor {INDEX_NAME} (weight files found: {found or 'none'}); only "
             "safetensors checkpoints can be streamed: load other formats once with transformers and save_pretrained()")
-    from safetensors import safe_open
-
     tensors: Dict[str, _FileTensor] = {}
     for name in files:
         for key, (dtype_name, shape) in _read_header(folder / name).items():
