@@ -347,6 +347,7 @@ class RootRunner:
         self._engine = eng
         self.group = group
         self._awaiting_backward = False  # a forward with autograd ran; its backward has not ended
+        self._recompute_views: Optional[List[torch.Tensor]] = None  # show_for_recompute's, until the next forward
         group.on_reduce = self._reduced
         if eng.ctx.world_size > 1:
             for param in replicated:
@@ -367,6 +368,7 @@ class RootRunner:
             return False
         if eng.state is not TrainingState.FORWARD:
             eng.recover_if_stale()
+        self._recompute_views = None
         outermost = eng.enter_root(self)
         try:
             with eng.engine_work():
@@ -410,12 +412,16 @@ class RootRunner:
         """Show full views again while a block that reads root parameters recomputes in backward.
 
         Detached: the recomputation only rebuilds saved values; gradients flow through the graph
-        recorded in forward. ``requires_grad`` matches so the same tensors are saved.
+        recorded in forward. ``requires_grad`` matches so the same tensors are saved. Made once per
+        backward, shown for every block's recomputation (each block of a checkpointed model asks).
         """
         if not self.group.gathered:
             return False
-        views = [view for buffer in self.group.buffers for view in buffer.views()]
-        self.group.swap_in([v.detach().requires_grad_(s.param.requires_grad) for v, s in zip(views, self.group.slots)])
+        if self._recompute_views is None:
+            views = [view for buffer in self.group.buffers for view in buffer.views()]
+            self._recompute_views = [v.detach().requires_grad_(s.param.requires_grad)
+                                     for v, s in zip(views, self.group.slots)]
+        self.group.swap_in(self._recompute_views)
         return True
 
     def hide(self) -> None:
@@ -423,4 +429,5 @@ class RootRunner:
 
     def backward_done(self) -> None:
         self._awaiting_backward = False
+        self._recompute_views = None
         self.group.release()
