@@ -258,8 +258,10 @@ void launch(const AdamBuffers<G, O>& buffers, const AdamScalars& scalars, const 
             cudaStream_t stream) {
   const int64_t n_scalars = buffers.numel - buffers.n_packs * kPack;
   const int64_t work = std::max(buffers.n_packs, n_scalars);
-  const int64_t blocks = std::clamp<int64_t>((work + kThreads - 1) / kThreads, 1, resident_blocks(kOp, kThreads));
-  adam_kernel<kSplit, G, O><<<static_cast<int>(blocks), kThreads, 0, stream>>>(buffers, scalars, skip_flag);
+  constexpr auto kernel = adam_kernel<kSplit, G, O>;
+  const int64_t wanted = (work + kThreads - 1) / kThreads;
+  const int64_t blocks = std::clamp<int64_t>(wanted, 1, resident_blocks<kernel>(kOp, kThreads));
+  kernel<<<static_cast<int>(blocks), kThreads, 0, stream>>>(buffers, scalars, skip_flag);
   check_cuda(cudaGetLastError(), kOp, "kernel launch");
 }
 

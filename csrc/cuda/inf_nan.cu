@@ -11,18 +11,17 @@
 // concurrent writes all store the same value, so they need no atomics.
 #include "cuda/inf_nan.h"
 
-#include <cuda_runtime.h>
-
 #include <algorithm>
-#include <atomic>
 #include <stdexcept>
 #include <string>
+
+#include "cuda/kernel_utils.h"
 
 namespace bmtwrap::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int64_t kVectorBytes = 16;
+constexpr const char* kOp = "has_inf_nan_cuda";
 
 // True if any Bits-wide lane of a 32-bit word is +-inf or nan.
 template <typename Bits>
@@ -65,37 +64,6 @@ __global__ void has_inf_nan_kernel(const Bits* __restrict__ data, int64_t numel,
 // ---------------------------------------------------------------------------------------------------------
 // Launcher
 
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    throw std::runtime_error(std::string("bmtwrap._C.has_inf_nan_cuda: ") + what + " failed: " +
-                             cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
-  }
-}
-
-// A grid-stride loop needs no more blocks than the current device holds at once. A device's SM count
-// never changes, so it is asked once per device: the attribute queries cost about as much as the launch.
-int64_t resident_blocks() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int64_t> cached[kMaxDevices] = {};  // 0: not asked yet
-  int device = 0;
-  check(cudaGetDevice(&device), "cudaGetDevice");
-  if (device < kMaxDevices) {
-    if (const int64_t blocks = cached[device].load(std::memory_order_relaxed); blocks > 0) {
-      return blocks;
-    }
-  }
-  int sms = 0;
-  int threads_per_sm = 0;
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-  check(cudaDeviceGetAttribute(&threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, device),
-        "cudaDeviceGetAttribute");
-  const int64_t blocks = std::max<int64_t>(1, static_cast<int64_t>(sms) * (threads_per_sm / kThreads));
-  if (device < kMaxDevices) {
-    cached[device].store(blocks, std::memory_order_relaxed);  // racing threads store the same value
-  }
-  return blocks;
-}
-
 template <typename Traits>
 void launch(std::uintptr_t ptr, int64_t numel, uint8_t* flag, cudaStream_t stream) {
   using Bits = typename Traits::Bits;
@@ -110,11 +78,11 @@ void launch(std::uintptr_t ptr, int64_t numel, uint8_t* flag, cudaStream_t strea
   const int64_t n_vectors = (numel - head) / kPerVector;
   // At least one block: the head and tail (<= 14 elements) are read by the first threads.
   const int64_t wanted = std::max<int64_t>(1, (n_vectors + kThreads - 1) / kThreads);
-  const int blocks = static_cast<int>(std::min(wanted, resident_blocks()));
-
-  has_inf_nan_kernel<Bits><<<blocks, kThreads, 0, stream>>>(reinterpret_cast<const Bits*>(ptr), numel, head,
-                                                           Traits::kExponentMask, flag);
-  check(cudaGetLastError(), "kernel launch");
+  constexpr auto kernel = has_inf_nan_kernel<Bits>;
+  const int blocks = static_cast<int>(std::min(wanted, resident_blocks<kernel>(kOp, kThreads)));
+  kernel<<<blocks, kThreads, 0, stream>>>(reinterpret_cast<const Bits*>(ptr), numel, head, Traits::kExponentMask,
+                                          flag);
+  check_cuda(cudaGetLastError(), kOp, "kernel launch");
 }
 
 }  // namespace

@@ -66,8 +66,9 @@ void scaled_copy_cuda(std::uintptr_t in, DType in_dtype, std::uintptr_t out, DTy
       const bool vectors = in % kVectorBytes == 0 && out % kVectorBytes == 0;
       const int64_t work = vectors ? numel / kPer + numel % kPer : numel;
       const int64_t wanted = std::max<int64_t>(1, (work + kThreads - 1) / kThreads);
-      const int blocks = static_cast<int>(std::min(wanted, resident_blocks(kOp, kThreads)));
-      scaled_copy_kernel<In, Out><<<blocks, kThreads, 0, cuda_stream>>>(
+      constexpr auto kernel = scaled_copy_kernel<In, Out>;
+      const int blocks = static_cast<int>(std::min(wanted, resident_blocks<kernel>(kOp, kThreads)));
+      kernel<<<blocks, kThreads, 0, cuda_stream>>>(
           reinterpret_cast<const In*>(in), reinterpret_cast<Out*>(out), numel, vectors,
           reinterpret_cast<const float*>(scale_ptr));
       check_cuda(cudaGetLastError(), kOp, "kernel launch");
