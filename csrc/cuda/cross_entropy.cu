@@ -5,7 +5,8 @@
 // per 256-thread block) when rows are short, the whole 512-thread block when they are long. Rows start
 // wherever row * V elements puts them, so each row is read as
 //   head:    the elements before its first 16-byte boundary,
-//   body:    whole 16-byte packs, kUnroll of them loaded per thread before the first is used,
+//   body:    whole 16-byte packs, kUnroll of them loaded per thread before the first is used (3 forward, 2
+//            backward: see kForwardUnroll),
 //   tail:    the fewer than 16 / sizeof(T) elements after the last whole pack;
 // head + tail is under 2 * 16 / sizeof(T) <= 16 elements, one each for the group's first threads.
 // Forward: one pass. Each thread keeps a running (max, sum of exp(x - max), sum of x) over its elements
@@ -33,10 +34,14 @@ namespace bmtwrap::cuda {
 namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
-// Two packs in flight per thread and at least 1024 resident threads per SM (so at most 64 registers each;
-// ptxas fits every instantiation without spilling, 38 to 62 on sm_90): 32 KB of loads in flight per SM,
-// about what HBM3's latency asks for by Little's law (3 TB/s x ~1 us / 132 SMs). Not yet timed on a GPU.
-constexpr int kUnroll = 2;
+// Packs in flight per thread, with at least 1024 resident threads per SM (so at most 64 registers each; ptxas
+// fits every instantiation without spilling on sm_90). The forward only reads: three packs, 48 KB of loads in
+// flight per SM (four spill bf16's registers). With two (32 KB) it read 3.4 TB/s on an H200 where a row sum
+// reads 4.4: HBM3e's latency under load asks for more than 32 KB per SM by Little's law (4.8 TB/s x ~1.5 us /
+// 132 SMs). The backward reads and writes each pack, and with two it ran at 4.0 TB/s, 92 % of a copy's pace on
+// the same card.
+constexpr int kForwardUnroll = 3;
+constexpr int kBackwardUnroll = 2;
 constexpr int kMinThreadsPerSM = 1024;
 constexpr int kWarp = 32;
 constexpr int64_t kShortRow = 2048;  // rows up to this many elements take one warp, longer ones a block
@@ -106,7 +111,7 @@ struct RowSplit {
 };
 
 // The statistics of the elements of `row` that thread `rank` of a kGroup-thread group reads.
-template <typename T, int kGroup>
+template <typename T, int kGroup, int kUnroll = kForwardUnroll>
 BMT_HOST_DEVICE RowStats row_stats_part(const T* row, int64_t V, int rank) {
   using Split = RowSplit<T>;
   constexpr int kPer = Split::kPer;
@@ -190,7 +195,7 @@ BMT_HOST_DEVICE inline float grad_value(float x, int64_t index, const RowGrad& r
 }
 
 // Overwrites the elements of `row` that thread `rank` owns with their gradient.
-template <typename T, int kGroup>
+template <typename T, int kGroup, int kUnroll = kBackwardUnroll>
 BMT_HOST_DEVICE void row_grad_part(T* row, int64_t V, int rank, const RowGrad& r) {
   using Split = RowSplit<T>;
   constexpr int kPer = Split::kPer;
