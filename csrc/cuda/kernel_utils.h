@@ -1,4 +1,4 @@
-// What the elementwise and row-wise kernel files (adam.cu, cross_entropy.cu) share: the device element type
+// What the CUDA kernel files (adam.cu, cross_entropy.cu, inf_nan.cu, scale.cu) share: the device element type
 // of each DType, float conversion, 16-byte packs, error checking and the grid size. CUDA only: included by
 // .cu files, never by bind.cpp (which sees only the plain C++ launcher headers).
 //
