@@ -184,6 +184,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad_hidden[start : start + chunk] = logits @ weight
                 if grad_weight is not None:
                     _accumulate_product(grad_weight, logits.T, h, first=start == 0)
+            # Freed before the next chunk's product allocates its logits: else two chunks are alive at once.
+            del logits, tanh
         ctx.grads = (grad_hidden, grad_weight)  # consumed (scaled) by the one backward
         ctx.weight_dtype = weight.dtype
         return total

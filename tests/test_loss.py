@@ -5,9 +5,12 @@ autograd plumbing: reductions, ignored rows, label smoothing, in-place gradients
 The CUDA kernels are compared with torch in tests/test_cuda_kernels.py.
 """
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import bmtwrap as bmt
 
@@ -83,6 +86,36 @@ def test_linear_cross_entropy_slices_the_vocabulary(monkeypatch):
     F.cross_entropy(h2 @ w2.T, target).backward()
     torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-5, atol=1e-6)
+
+
+class _LogitsAlive(TorchDispatchMode):
+    """Before each product that makes a chunk's logits (a matmul with ``vocab`` columns), counts the (rows x vocab)
+    tensors made before it that are still alive (the logits, their softcapped form)."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.made = weakref.WeakValueDictionary()  # by id: alive ones only
+        self.alive_at_product = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        makes_logits = func is torch.ops.aten.mm.default and args[1].shape[-1] == self.vocab
+        if makes_logits:
+            self.alive_at_product.append(len(self.made))
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[-1] == self.vocab:
+            self.made[id(out)] = out
+        return out
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_linear_cross_entropy_holds_one_chunk_of_logits(softcap):
+    """Each chunk's logits are freed before the next chunk's are made: one chunk alive at a time, not two."""
+    _, target, hidden, weight = data()
+    h = hidden.clone().requires_grad_()
+    with _LogitsAlive(weight.shape[0]) as seen:
+        bmt.loss.linear_cross_entropy(h, weight, target, chunk_size=10, softcap=softcap).backward()
+    assert seen.alive_at_product == [0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
