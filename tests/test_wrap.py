@@ -357,16 +357,51 @@ def test_plan_activations_follow_the_batch_and_the_vocabulary():
 def test_plan_a_compiled_block_recomputes_in_less():
     """A compiled block's recomputation keeps what its layer saves, once; an eager one also its norms' fp32 values,
     and twice (activations and their gradients). Nothing else in the estimate changes."""
-    from bmtwrap.wrap.plan import LAYER_FP32_H, LAYER_SAVED_H, LAYER_SAVED_I
+    from bmtwrap.wrap.plan_activations import LAYER_FP32_H, LAYER_SAVED_H, LAYER_SAVED_I
 
     compiled = bmt.plan(tiny_llama(), world_size=1, batch_size=4, seq_len=16).memory
     eager = bmt.plan(tiny_llama(), world_size=1, batch_size=4, seq_len=16, compile=False).memory
+    kept = bmt.plan(tiny_llama(), world_size=1, batch_size=4, seq_len=16, checkpoint=False).memory
     config = tiny_llama().config
     tokens, hidden, inner = 64, config.hidden_size, config.intermediate_size
-    kept = tokens * 4 * (LAYER_SAVED_H * hidden + LAYER_SAVED_I * inner)  # fp32 parameters here
-    assert eager.activations - compiled.activations == 2 * (kept + tokens * 4 * LAYER_FP32_H * hidden) - kept
+    eager_layer = tokens * 4 * (LAYER_SAVED_H * hidden + LAYER_SAVED_I * inner)  # fp32 parameters here
+    compiled_layer = kept.activations // 3  # two blocks kept, and one block's backward
+    assert eager.activations - compiled.activations == 2 * (eager_layer + tokens * 4 * LAYER_FP32_H * hidden) - (
+        compiled_layer)
     assert (eager.params, eager.grads, eager.gathered, eager.loss_peak) == (
         compiled.params, compiled.grads, compiled.gathered, compiled.loss_peak)
+
+
+def test_plan_counts_what_a_compiled_block_saves():
+    """The plan's activations of a kept compiled block are what the block saves for backward, counted with the
+    saved-tensor hook of a real step (the compiler's partition, without its code generation); the rotary
+    embedding's tables, shared by every layer, are not the block's."""
+    from bmtwrap.engine.runners import BlockRunner
+
+    model = tiny_llama().to(torch.bfloat16)
+    planned = bmt.plan(model, world_size=1, batch_size=4, seq_len=16, checkpoint=False).memory
+    model = bmt.wrap(model, checkpoint=False, compile={"backend": "aot_eager_decomp_partition"})
+    saved = {}
+    pack = BlockRunner._pack
+
+    def counting(self, tensor):
+        out = pack(self, tensor)
+        if out is tensor and self.name == "model.layers.1":
+            saved[tensor.untyped_storage().data_ptr()] = (tensor.untyped_storage().nbytes(), tuple(tensor.shape))
+        return out
+
+    ids = torch.randint(0, 64, (4, 16))
+    try:
+        BlockRunner._pack = counting
+        for _ in range(2):  # the second step runs the compiled graph as every later one does
+            saved.clear()
+            model(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        BlockRunner._pack = pack
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    tables = sum(size for size, shape in saved.values() if shape == (1, 16, head_dim))
+    assert tables == 2 * 16 * head_dim * 2  # cos and sin
+    assert sum(size for size, _ in saved.values()) - tables == planned.activations // 3
 
 
 def test_plan_peak_is_the_larger_of_the_loss_and_backward():

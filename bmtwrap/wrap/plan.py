@@ -26,12 +26,13 @@ The rest is a model of the peak of a training step of a transformer, the larger 
   blocks, the running one and the prefetched one, and one block's full gradient before its reduce-scatter; in a shard
   group of one only the gradients, as a gather there aliases the shard), and one block's recomputation and backward,
   ``LAYER_SAVED`` values plus ``LAYER_FP32`` fp32 values per token, twice (its activations and their gradients). A
-  compiled block (``wrap(compile=...)``, on by default on a GPU) fuses its norms and elementwise work and keeps
-  neither the fp32 values nor a second copy: ``LAYER_SAVED`` values per token. Against 13 peaks measured on H100s and
-  H200s (1B, 3B and 8B on one, two and four GPUs; eager and compiled blocks; checkpointed, kept and under a budget,
-  with the optimizer and the parameters offloaded) this reads from -7.6 % to +5.2 %.
+  compiled block (``wrap(compile=...)``, on by default on a GPU) fuses its norms and elementwise work and saves
+  less: ``COMPILED_SAVED`` values per token (counted tensor by tensor), kept or recomputed, once. Against 13 peaks
+  measured on H100s and H200s (1B, 3B and 8B on one, two and four GPUs; eager and compiled blocks; checkpointed
+  and under a budget, with the optimizer and the parameters offloaded) this read from -7.6 % to +5.2 %; against
+  10 more on one H200 with compiled blocks kept or checkpointed (1B, 3B and slices of the 8B), from -1.1 % to +5.2 %.
 Saved activations: each checkpointed block keeps its input, ``tokens x hidden`` values; an
-un-checkpointed block keeps what its layer saves (``LAYER_SAVED`` values per token). Gradients that
+un-checkpointed block keeps what its layer saves (``LAYER_SAVED`` or ``COMPILED_SAVED`` values per token). Gradients that
 accumulate over micro-batches are alive at the later losses too: the first moment then reads low.
 Offload moves state to the host: ``AdamOffloadOptimizer`` keeps the moments and master of the
 offloaded share there (pageable, exact) plus a pinned staging ring; ``offload_params`` keeps the
@@ -52,25 +53,15 @@ from ..engine.memory import MIN_MARGIN, margin_bytes, outside_allocator_estimate
 from ..engine.offload import DEFAULT_CHUNK_NUMEL, DEFAULT_SLOTS, adam_state_bytes
 from ..engine.param import build_layout
 from ..engine.placement import AUTO_HEADROOM, Candidate, GradsOnGpu, Measured, kept_on_gpu
-from .adapters import adapter_for
 from .detect import LayerPolicy, find_blocks
+from .plan_activations import layer_bytes, loss_bytes
 
 __all__ = ["GroupPlan", "MemoryEstimate", "OffloadOptions", "WrapPlan", "make_plan"]
 
 Checkpoint = Union[bool, str]
 
-# Values per token that one transformer layer saves for backward (16-bit), in units of the
-# hidden size h and the MLP width i: norm outputs, q/k/v, attention output and its projection,
-# residuals (~10 h), and the MLP's gate, up, activation and product (4 i).
-LAYER_SAVED_H, LAYER_SAVED_I = 10, 4
-# fp32 values per token a layer's norms keep (input and output upcast, two norms), in units of h.
-LAYER_FP32_H = 4
-# Cross-entropy bytes per token and vocabulary entry at the peak of the loss's backward (see the Note).
-LOSS_BYTES = 12
 # offload_params="auto": the most of the usable GPU memory this rank's parameter shards and gradients may take.
 PARAMS_SHARE = 0.75
-# Tokens per chunk of the loss computed without the logits (linear_cross_entropy's default chunk_size).
-HEAD_CHUNK = 8192
 
 
 @dataclass(frozen=True)
@@ -329,30 +320,6 @@ def shared_parameters(model: nn.Module, blocks: List[Tuple[str, nn.Module]]) -> 
     return shared_ids, names
 
 
-def _text_config(model: nn.Module) -> object:
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    return config
-
-
-def _config_int(model: nn.Module, *names: str) -> Optional[int]:
-    config = _text_config(model)
-    for attr in names:
-        value = getattr(config, attr, None)
-        if isinstance(value, int):
-            return value
-    return None
-
-
-def _vocab_size(model: nn.Module) -> Optional[int]:
-    """Rows of the output embedding (the logits' width) of a language model, else ``None``."""
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    weight = getattr(head, "weight", None)
-    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
-
-
 # --- the estimate ------------------------------------------------------------------------------
 
 
@@ -416,33 +383,20 @@ def _rank_bytes(groups: _Groups, offload: OffloadOptions, rank: int) -> Dict[str
     return out
 
 
-def _loss_bytes(model: nn.Module, tokens: int, hidden: int, size: int, fused_loss: bool) -> int:
-    """The LM head's loss at its peak (see [Note: memory estimate]); 0 for a model without an output embedding."""
-    vocab = _vocab_size(model)
-    if not vocab:
-        return 0
-    head = adapter_for(model).loss_head(model) if fused_loss else None
-    if head is None:
-        return LOSS_BYTES * tokens * vocab
-    weight_grad = head.weight.numel() * 4 if head.weight.requires_grad else 0
-    return min(tokens, HEAD_CHUNK) * vocab * size + weight_grad + tokens * hidden * size
-
-
 def _activations(model: nn.Module, blocks: List[GroupPlan], block_dtype: torch.dtype, batch_size: Optional[int],
                  seq_len: Optional[int], fused_loss: bool,
                  compiled: bool) -> Optional[Tuple[List[int], int, int]]:
     """(the activations each block saves, one block's recomputation and backward, the LM head's loss) in bytes,
     or ``None`` without a batch shape (see [Note: memory estimate])."""
-    hidden = _config_int(model, "hidden_size", "d_model", "n_embd", "dim")
-    if batch_size is None or seq_len is None or hidden is None or not blocks:
+    if batch_size is None or seq_len is None or not blocks:
         return None
-    inner = _config_int(model, "intermediate_size", "ffn_dim", "d_ff", "n_inner") or 4 * hidden
-    tokens = batch_size * seq_len
-    size = _itemsize(block_dtype)
-    kept = tokens * size * (LAYER_SAVED_H * hidden + LAYER_SAVED_I * inner)  # what a layer saves for backward
-    layer = kept + tokens * 4 * LAYER_FP32_H * hidden  # and, while it runs, its norms' fp32 values
+    tokens, size = batch_size * seq_len, _itemsize(block_dtype)
+    layer = layer_bytes(model, tokens, size, compiled)
+    if layer is None:
+        return None
+    hidden, kept, running = layer
     saved = [tokens * hidden * size if b.checkpoint else kept for b in blocks]
-    return saved, kept if compiled else 2 * layer, _loss_bytes(model, tokens, hidden, size, fused_loss)
+    return saved, running, loss_bytes(model, tokens, hidden, size, fused_loss)
 
 
 def _usable(budget: int, world_size: int) -> int:
