@@ -404,6 +404,26 @@ def test_plan_counts_what_a_compiled_block_saves():
     assert sum(size for size, _ in saved.values()) - tables == planned.activations // 3
 
 
+def test_plan_counts_float8_blocks_as_saving_less():
+    """A kept compiled block computing in float8 saves less (the compiler recomputes the casts and two projections'
+    inputs: ``FLOAT8_SAVED``, counted on an H200); the blocks kept at both ends in the model's dtype count as before,
+    and a checkpointed block, which keeps its input only, the same either way."""
+    from bmtwrap.wrap.plan_activations import layer_bytes
+
+    model = tiny_llama(num_hidden_layers=8)
+    shape = dict(world_size=1, batch_size=4, seq_len=16)
+    layer = layer_bytes(model, 64, 4, compiled=True)  # fp32 parameters here
+    saving = layer.kept - layer.kept_float8
+    assert saving > 0
+    plain = bmt.plan(model, checkpoint=False, **shape).memory
+    every = bmt.plan(model, checkpoint=False, fp8=bmt.Float8("tensorwise", keep_ends=0), **shape).memory
+    ends = bmt.plan(model, checkpoint=False, fp8=True, **shape).memory  # the first and the last block in fp32
+    assert plain.loss_peak - every.loss_peak == 8 * saving
+    assert plain.loss_peak - ends.loss_peak == 6 * saving
+    checkpointed = dict(checkpoint=True, **shape)
+    assert bmt.plan(model, fp8=True, **checkpointed).memory == bmt.plan(model, **checkpointed).memory
+
+
 def test_plan_peak_is_the_larger_of_the_loss_and_backward():
     """A large vocabulary peaks at the loss, before backward makes the gradients; a small one in backward."""
     wide = bmt.plan(tiny_llama(vocab_size=4096), world_size=1, batch_size=4, seq_len=32, keep_logits=True).memory

@@ -241,7 +241,7 @@ def plan(model: nn.Module, *, world_size: Optional[int] = None, layers: Optional
         planned, blocks, _ = make_plan(model, world_size, layers=layers, checkpoint=checkpoint, batch_size=batch_size,
                                        seq_len=seq_len, offload=offload, ranks_per_host=ranks_per_host,
                                        max_gpu_memory=budget, fused_loss=not keep_logits,
-                                       compiled=compile is not False, shard_size=shard_size)
+                                       compiled=compile is not False, shard_size=shard_size, float8=choice)
         return replace(planned, tp_size=tp_size, fp8=describe(choice, blocks))
 
 

@@ -163,7 +163,7 @@ def _inner_linears(block: nn.Module) -> List[Tuple[str, nn.Module]]:
     return [(name, m) for name, m in block.named_modules() if name and isinstance(m, nn.Linear)]
 
 
-def _middle(blocks: Sequence[Tuple[str, nn.Module]], choice: Float8Choice) -> Sequence[Tuple[str, nn.Module]]:
+def float8_blocks(blocks: Sequence[Tuple[str, nn.Module]], choice: Float8Choice) -> Sequence[Tuple[str, nn.Module]]:
     """The blocks that compute in float8: all but the ones ``choice`` keeps at each end."""
     kept = choice.kept(len(blocks))
     return blocks[kept : len(blocks) - kept]
@@ -172,7 +172,7 @@ def _middle(blocks: Sequence[Tuple[str, nn.Module]], choice: Float8Choice) -> Se
 def float8_linears(blocks: Sequence[Tuple[str, nn.Module]], choice: Float8Choice) -> Tuple[int, int]:
     """How many of the blocks' linear layers convert to float8, and how many linear layers they have."""
     linears = [m for _, block in blocks for m in block.modules() if isinstance(m, nn.Linear)]
-    inner = [m for _, block in _middle(blocks, choice) for _, m in _inner_linears(block)]
+    inner = [m for _, block in float8_blocks(blocks, choice) for _, m in _inner_linears(block)]
     return sum(map(_convertible, inner)), len(linears)
 
 
@@ -180,7 +180,7 @@ def convert_blocks(blocks: Sequence[Tuple[str, nn.Module]], choice: Float8Choice
     """Swap the convertible ``nn.Linear`` modules inside the blocks for torchao's ``Float8Linear``, in place (the same
     parameter objects); the others, and the blocks kept at both ends, stay in the model's dtype."""
     float8 = _torchao()
-    for _, block in _middle(blocks, choice):
+    for _, block in float8_blocks(blocks, choice):
         float8.convert_to_float8_training(block, config=choice.config,
                                           module_filter_fn=lambda module, fqn: bool(fqn) and _convertible(module))
 

@@ -27,13 +27,14 @@ The rest is a model of the peak of a training step of a transformer, the larger 
   group of one only the gradients, as a gather there aliases the shard), and one block's recomputation and backward,
   ``LAYER_SAVED`` values plus ``LAYER_FP32`` fp32 values per token, twice (its activations and their gradients). A
   compiled block (``wrap(compile=...)``, on by default on a GPU) fuses its norms and elementwise work and saves
-  less: ``COMPILED_SAVED`` values per token (counted tensor by tensor), kept or recomputed, once. Against 13 peaks
-  measured on H100s and H200s (1B, 3B and 8B on one, two and four GPUs; eager and compiled blocks; checkpointed
-  and under a budget, with the optimizer and the parameters offloaded) this read from -7.6 % to +5.2 %; against
-  10 more on one H200 with compiled blocks kept or checkpointed (1B, 3B and slices of the 8B), from -1.1 % to +5.2 %.
-Saved activations: each checkpointed block keeps its input, ``tokens x hidden`` values; an
-un-checkpointed block keeps what its layer saves (``LAYER_SAVED`` or ``COMPILED_SAVED`` values per token). Gradients that
-accumulate over micro-batches are alive at the later losses too: the first moment then reads low.
+  less: ``COMPILED_SAVED`` values per token (counted tensor by tensor), kept or recomputed, once; in float8
+  (``wrap(fp8=...)``) less again, ``FLOAT8_SAVED``. Against 13 peaks measured on H100s and H200s (1B, 3B and 8B on
+  one, two and four GPUs; eager and compiled blocks; checkpointed and under a budget, with the optimizer and the
+  parameters offloaded) this read from -7.6 % to +5.2 %; against 15 more on one H200 with compiled blocks kept or
+  checkpointed, in bf16 and float8 (1B, 3B and slices of the 8B), from -1.1 % to +5.2 %.
+Saved activations: each checkpointed block keeps its input, ``tokens x hidden`` values; an un-checkpointed
+block keeps what its layer saves (``LAYER_SAVED``, ``COMPILED_SAVED`` or ``FLOAT8_SAVED`` per token). Gradients
+that accumulate over micro-batches are alive at the later losses too: the first moment then reads low.
 Offload moves state to the host: ``AdamOffloadOptimizer`` keeps the moments and master of the
 offloaded share there (pageable, exact) plus a pinned staging ring; ``offload_params`` keeps the
 blocks' shards and their gradients in pinned memory of their exact size (``offload.PinnedPool``).
@@ -54,6 +55,7 @@ from ..engine.offload import DEFAULT_CHUNK_NUMEL, DEFAULT_SLOTS, adam_state_byte
 from ..engine.param import build_layout
 from ..engine.placement import AUTO_HEADROOM, Candidate, GradsOnGpu, Measured, kept_on_gpu
 from .detect import LayerPolicy, find_blocks
+from .fp8 import Float8Choice, float8_blocks
 from .plan_activations import layer_bytes, loss_bytes
 
 __all__ = ["GroupPlan", "MemoryEstimate", "OffloadOptions", "WrapPlan", "make_plan"]
@@ -384,19 +386,19 @@ def _rank_bytes(groups: _Groups, offload: OffloadOptions, rank: int) -> Dict[str
 
 
 def _activations(model: nn.Module, blocks: List[GroupPlan], block_dtype: torch.dtype, batch_size: Optional[int],
-                 seq_len: Optional[int], fused_loss: bool,
-                 compiled: bool) -> Optional[Tuple[List[int], int, int]]:
+                 seq_len: Optional[int], fused_loss: bool, compiled: bool,
+                 float8: Set[str]) -> Optional[Tuple[List[int], int, int]]:
     """(the activations each block saves, one block's recomputation and backward, the LM head's loss) in bytes,
-    or ``None`` without a batch shape (see [Note: memory estimate])."""
+    or ``None`` without a batch shape (see [Note: memory estimate]); ``float8``: the blocks computing in float8."""
     if batch_size is None or seq_len is None or not blocks:
         return None
     tokens, size = batch_size * seq_len, _itemsize(block_dtype)
     layer = layer_bytes(model, tokens, size, compiled)
     if layer is None:
         return None
-    hidden, kept, running = layer
-    saved = [tokens * hidden * size if b.checkpoint else kept for b in blocks]
-    return saved, running, loss_bytes(model, tokens, hidden, size, fused_loss)
+    saved = [tokens * layer.hidden * size if b.checkpoint else layer.kept_float8 if b.name in float8 else layer.kept
+             for b in blocks]
+    return saved, layer.running, loss_bytes(model, tokens, layer.hidden, size, fused_loss)
 
 
 def _usable(budget: int, world_size: int) -> int:
@@ -469,11 +471,13 @@ def make_plan(model: nn.Module, world_size: int, *, layers: Optional[LayerPolicy
               checkpoint: Checkpoint = "auto", batch_size: Optional[int] = None, seq_len: Optional[int] = None,
               offload: OffloadOptions = OffloadOptions(), ranks_per_host: Optional[int] = None,
               max_gpu_memory: Optional[int] = None, fused_loss: bool = True, compiled: bool = True,
-              shard_size: Optional[int] = None) -> Tuple[WrapPlan, List[Tuple[str, nn.Module]], Set[int]]:
+              shard_size: Optional[int] = None,
+              float8: Optional[Float8Choice] = None) -> Tuple[WrapPlan, List[Tuple[str, nn.Module]], Set[int]]:
     """The plan, the block modules it names, and the ids of the parameters kept in the root; the layouts are over
-    ``shard_size`` ranks (default: ``world_size``)."""
+    ``shard_size`` ranks (default: ``world_size``); ``float8``: the blocks' float8 compute (``wrap(fp8=...)``)."""
     shards = shard_size or world_size
     blocks, rule = find_blocks(model, layers)
+    in_float8 = {name for name, _ in float8_blocks(blocks, float8)} if float8 is not None else set()
     shared_ids, shared_names = shared_parameters(model, blocks)
     per_block_ckpt = checkpoint if isinstance(checkpoint, bool) else True
     block_plans, block_buffers = [], []
@@ -514,7 +518,7 @@ def make_plan(model: nn.Module, world_size: int, *, layers: Optional[LayerPolicy
         other_grads = max(r["grads"] - sum(r[("block grads", i)] for i in range(len(block_buffers))) for r in ranks)
 
         def estimate(planned: List[GroupPlan]) -> MemoryEstimate:
-            parts = _activations(model, planned, block_dtype, batch_size, seq_len, fused_loss, compiled)
+            parts = _activations(model, planned, block_dtype, batch_size, seq_len, fused_loss, compiled, in_float8)
             loss_peak = backward = None
             if parts is not None:
                 saved, recompute, loss = parts

@@ -6,14 +6,14 @@ optimizer state) into the peak of a training step.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
 
 from .adapters import adapter_for
 
-__all__ = ["HEAD_CHUNK", "layer_bytes", "loss_bytes"]
+__all__ = ["HEAD_CHUNK", "LayerBytes", "layer_bytes", "loss_bytes"]
 
 # Values per token that one transformer layer saves for backward (16-bit), in units of the
 # hidden size h and the MLP width i: norm outputs, q/k/v, attention output and its projection,
@@ -27,6 +27,10 @@ LAYER_FP32_H = 4
 # (gate, up and their product); fp32 values per attention head (the attention's log-sum-exp) and per norm (its
 # reciprocal RMS). Each block's saved tensors counted on an H200 at the 1B, 3B and 8B shapes: exactly this.
 COMPILED_SAVED_H, COMPILED_SAVED_KV, COMPILED_SAVED_I, COMPILED_FP32_NORMS = 6, 2, 3, 2
+# The same for a compiled block whose linear layers compute in float8 (``wrap(fp8=...)``, tensorwise or rowwise): the
+# compiler saves neither the float8 casts nor the 16-bit inputs of the output and down projections, which it
+# recomputes with the casts; counted the same way at the 1B and 8B shapes.
+FLOAT8_SAVED_H, FLOAT8_SAVED_I = 4, 2
 # Cross-entropy bytes per token and vocabulary entry at the peak of the loss's backward (see the Note).
 LOSS_BYTES = 12
 # Tokens per chunk of the loss computed without the logits (linear_cross_entropy's default chunk_size).
@@ -52,24 +56,35 @@ def _vocab_size(model: nn.Module) -> Optional[int]:
     return int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
 
 
-def layer_bytes(model: nn.Module, tokens: int, size: int, compiled: bool) -> Optional[Tuple[int, int, int]]:
-    """(the hidden size, what one layer saves for backward, one layer's recomputation and backward) in bytes, for
-    ``tokens`` tokens of ``size``-byte values; ``None`` when the config names no hidden size."""
+class LayerBytes(NamedTuple):
+    """One layer's activations in bytes, for a number of tokens."""
+
+    hidden: int  # the hidden size
+    kept: int  # what the layer saves for backward
+    kept_float8: int  # the same with its linear layers in float8
+    running: int  # its recomputation and backward, at their peak
+
+
+def layer_bytes(model: nn.Module, tokens: int, size: int, compiled: bool) -> Optional[LayerBytes]:
+    """One layer's activations for ``tokens`` tokens of ``size``-byte values (see [Note: memory estimate] in
+    ``plan.py``); ``None`` when the config names no hidden size."""
     hidden = _config_int(model, "hidden_size", "d_model", "n_embd", "dim")
     if hidden is None:
         return None
     inner = _config_int(model, "intermediate_size", "ffn_dim", "d_ff", "n_inner") or 4 * hidden
     if not compiled:
         kept = tokens * size * (LAYER_SAVED_H * hidden + LAYER_SAVED_I * inner)
-        return hidden, kept, 2 * (kept + tokens * 4 * LAYER_FP32_H * hidden)  # with the norms' fp32 values, twice
+        # While it runs, also its norms' fp32 values; twice (the activations and their gradients).
+        return LayerBytes(hidden, kept, kept, 2 * (kept + tokens * 4 * LAYER_FP32_H * hidden))
     heads = _config_int(model, "num_attention_heads", "n_head", "num_heads") or 0
     kv_width = hidden
     if heads:
         head_dim = _config_int(model, "head_dim") or hidden // heads
         kv_width = (_config_int(model, "num_key_value_heads") or heads) * head_dim
-    kept = tokens * (size * (COMPILED_SAVED_H * hidden + COMPILED_SAVED_KV * kv_width + COMPILED_SAVED_I * inner)
-                     + 4 * (heads + COMPILED_FP32_NORMS))
-    return hidden, kept, kept
+    fp32 = tokens * 4 * (heads + COMPILED_FP32_NORMS)
+    kept = tokens * size * (COMPILED_SAVED_H * hidden + COMPILED_SAVED_KV * kv_width + COMPILED_SAVED_I * inner) + fp32
+    float8 = tokens * size * (FLOAT8_SAVED_H * hidden + COMPILED_SAVED_KV * kv_width + FLOAT8_SAVED_I * inner) + fp32
+    return LayerBytes(hidden, kept, float8, kept)
 
 
 def loss_bytes(model: nn.Module, tokens: int, hidden: int, size: int, fused_loss: bool) -> int:
