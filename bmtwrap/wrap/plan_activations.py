@@ -22,10 +22,10 @@ LAYER_SAVED_H, LAYER_SAVED_I = 10, 4
 # fp32 values per token a layer's norms keep (input and output upcast, two norms), in units of h.
 LAYER_FP32_H = 4
 # What a compiled layer saves, per token (inductor recomputes the norms' fp32 values and the activation function):
-# 16-bit values in units of h (the layer's input, q, the attention's output in two layouts, and the inputs of the
-# three projections that read h-wide values), of the key/value width (k and v, grouped heads not repeated) and of i
-# (gate, up and their product); fp32 values per attention head (the attention's log-sum-exp) and per norm (its
-# reciprocal RMS). Each block's saved tensors counted on an H200 at the 1B, 3B and 8B shapes: exactly this.
+# 16-bit values in units of h (the layer's input, the two norms' outputs, q, and the attention's output in two
+# layouts), of the key/value width (k and v, grouped heads not repeated) and of i (gate, up and their product);
+# fp32 values per attention head (the attention's log-sum-exp) and per norm (its reciprocal RMS). Each block's saved
+# tensors counted on an H200 at the 1B, 3B and 8B shapes: exactly this.
 COMPILED_SAVED_H, COMPILED_SAVED_KV, COMPILED_SAVED_I, COMPILED_FP32_NORMS = 6, 2, 3, 2
 # The same for a compiled block whose linear layers compute in float8 (``wrap(fp8=...)``, tensorwise or rowwise): the
 # compiler saves neither the float8 casts nor the 16-bit inputs of the output and down projections, which it
