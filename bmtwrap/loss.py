@@ -181,7 +181,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if tanh is not None:  # d(cap * tanh(x / cap))/dx = 1 - tanh(x / cap)^2
                     logits.mul_(tanh.square_().neg_().add_(1))
                 if grad_hidden is not None:
-                    torch.mm(logits, weight, out=grad_hidden[start : start + chunk])  # rows: a contiguous view
+                    grad_hidden[start : start + chunk] = logits @ weight
                 if grad_weight is not None:
                     _accumulate_product(grad_weight, logits.T, h, first=start == 0)
             # Freed before the next chunk's product allocates its logits: else two chunks are alive at once.
