@@ -118,6 +118,23 @@ def test_linear_cross_entropy_holds_one_chunk_of_logits(softcap):
     assert seen.alive_at_product == [0, 0, 0, 0]
 
 
+def test_linear_cross_entropy_under_autocast_gives_gradients_in_the_inputs_dtypes():
+    """Under bf16 autocast (the Trainer's ``bf16=True``) the products run in bf16 while the hidden state and the weight
+    are fp32: each gradient comes back in its input's dtype, close to torch's loss under the same autocast."""
+    _, target, hidden, weight = data()
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = bmt.loss.linear_cross_entropy(h1, w1, target, chunk_size=10)
+        ref = F.cross_entropy((h2 @ w2.T).float(), target)
+    ours.backward()
+    ref.backward()
+    assert (h1.grad.dtype, w1.grad.dtype) == (torch.float32, torch.float32)
+    torch.testing.assert_close(ours, ref, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=5e-2, atol=5e-3)
+    torch.testing.assert_close(w1.grad, w2.grad, rtol=5e-2, atol=5e-3)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_fused_cross_entropy_with_class_weights_matches_torch(reduction):
     """BMTrain's signature: FusedCrossEntropy(weight, ignore_index, reduction, label_smoothing, parallel)."""
