@@ -225,9 +225,13 @@ def _accumulate_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fir
             out[v : v + _VOCAB_SLICE].add_(a[v : v + _VOCAB_SLICE] @ b)
 
 
+# Rows per chunk of linear_cross_entropy by default (see its docstring); the plan counts one chunk of logits.
+CHUNK_SIZE = 8192
+
+
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
                          ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-                         chunk_size: int = 8192, softcap: Optional[float] = None) -> torch.Tensor:
+                         chunk_size: int = CHUNK_SIZE, softcap: Optional[float] = None) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T`` against ``target`` without materialising the logits.
 
     Rows are processed ``chunk_size`` at a time: each chunk's logits are computed, reduced to its

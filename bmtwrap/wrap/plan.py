@@ -17,7 +17,7 @@ The rest is a model of the peak of a training step of a transformer, the larger 
   head: transformers computes it in fp32 (``logits.float()``) through log-softmax, whose backward holds the saved
   log-probabilities, their gradient and the logits' gradient at once, 12 bytes per token and vocabulary entry (the
   16-bit logits are freed after forward when only the loss is kept). A wrapped model whose loss is computed without
-  the logits (``head_loss.py``) holds one chunk of 16-bit logits (``HEAD_CHUNK`` tokens), the fp32 gradient of the
+  the logits (``head_loss.py``) holds one chunk of 16-bit logits (``loss.CHUNK_SIZE`` tokens), the fp32 gradient of the
   projection and the 16-bit gradient of its input instead;
 - backward, at its peak: the blocks run last to first, so at block i the gradient shards of blocks i and after (and
   the root's) are there beside the activations saved by blocks i and before; the peak is the largest of these sums (at

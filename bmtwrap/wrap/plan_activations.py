@@ -11,9 +11,10 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
+from ..loss import CHUNK_SIZE
 from .adapters import adapter_for
 
-__all__ = ["HEAD_CHUNK", "LayerBytes", "layer_bytes", "loss_bytes"]
+__all__ = ["LayerBytes", "layer_bytes", "loss_bytes"]
 
 # Values per token that one transformer layer saves for backward (16-bit), in units of the
 # hidden size h and the MLP width i: norm outputs, q/k/v, attention output and its projection,
@@ -33,8 +34,6 @@ COMPILED_SAVED_H, COMPILED_SAVED_KV, COMPILED_SAVED_I, COMPILED_FP32_NORMS = 6, 
 FLOAT8_SAVED_H, FLOAT8_SAVED_I = 4, 2
 # Cross-entropy bytes per token and vocabulary entry at the peak of the loss's backward (see the Note).
 LOSS_BYTES = 12
-# Tokens per chunk of the loss computed without the logits (linear_cross_entropy's default chunk_size).
-HEAD_CHUNK = 8192
 
 
 def _config_int(model: nn.Module, *names: str) -> Optional[int]:
@@ -96,4 +95,4 @@ def loss_bytes(model: nn.Module, tokens: int, hidden: int, size: int, fused_loss
     if head is None:
         return LOSS_BYTES * tokens * vocab
     weight_grad = head.weight.numel() * 4 if head.weight.requires_grad else 0
-    return min(tokens, HEAD_CHUNK) * vocab * size + weight_grad + tokens * hidden * size
+    return min(tokens, CHUNK_SIZE) * vocab * size + weight_grad + tokens * hidden * size
